@@ -1,0 +1,39 @@
+"""Where the Hydra configs live, composing them outside an app, and hashing a config for stage caches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Sequence
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+
+from lit_spec.errors import LitSpecError
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def config_dir() -> Path:
+    if not (CONFIG_DIR / "train.yaml").is_file():
+        raise LitSpecError(f"lit_spec's Hydra configs were not found at {CONFIG_DIR}: install the project from its "
+                           "repository with `pip install -e .` so that conf/ stays next to the package")
+    return CONFIG_DIR
+
+
+def compose_config(overrides: Sequence[str] = (), config_name: str = "train") -> DictConfig:
+    """Compose ``conf/<config_name>.yaml`` with overrides, inside a running Hydra app or outside one."""
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name=config_name, overrides=list(overrides))
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(config_name=config_name, overrides=list(overrides))
+
+
+def config_hash(obj, length: int = 10) -> str:
+    """A short, stable hash of a (Dict)Config or plain container; interpolations are hashed unresolved."""
+    if isinstance(obj, DictConfig):
+        obj = OmegaConf.to_container(obj, resolve=False)
+    blob = json.dumps(obj, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:length]

@@ -1,0 +1,126 @@
+"""The LightningDataModule every method trains on: prompt/answer records -> token ids -> padded batches."""
+
+from __future__ import annotations
+
+import logging
+
+import datasets
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+from transformers.trainer_pt_utils import LengthGroupedSampler
+
+from lit_spec.data.templates import PromptTemplate
+from lit_spec.errors import DataError
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+
+def batch_size(batch: dict) -> int:
+    return int(batch["input_ids"].size(0))
+
+
+def num_tokens(batch: dict) -> int:
+    """Real (non-padding) tokens in a batch: what throughput is counted in."""
+    return int(batch["attention_mask"].sum())
+
+
+class PromptDataModule(L.LightningDataModule):
+    """Tokenizes ``template.render(record)`` into ``prompt_ids`` + ``answer_ids`` (+EOS) for every split.
+
+    Training batches are right-padded ``input_ids``/``attention_mask``/``labels`` with the prompt masked out of the
+    labels; ``prompt_ids``/``answer_ids`` stay available per record for methods and callbacks that decode.
+    """
+
+    def __init__(self, source, template: PromptTemplate, tokenizer=None, path: str | None = None,
+                 batch_size: int = 8,
+                 eval_batch_size: int | None = None, max_prompt_tokens: int = 512, max_answer_tokens: int = 512,
+                 max_train_samples: int | None = None, max_eval_samples: int | None = None,
+                 num_workers: int = 0, shuffle_seed: int = 0):
+        super().__init__()
+        if path is not None:  # data.path=... replaces the hub id with a local file
+            if not hasattr(source, "path"):
+                raise DataError(f"data.path is not supported by {type(source).__name__}")
+            source.path = path
+        self.source, self.template, self.tokenizer = source, template, tokenizer
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
+        self.max_prompt_tokens, self.max_answer_tokens = max_prompt_tokens, max_answer_tokens
+        self.max_train_samples, self.max_eval_samples = max_train_samples, max_eval_samples
+        self.num_workers, self.shuffle_seed = num_workers, shuffle_seed
+        self.splits: datasets.DatasetDict | None = None
+
+    # ---- building -------------------------------------------------------------------------------------------
+    def _tokenize(self, record: dict) -> dict:
+        prompt, answer = self.template.render(record)
+        prompt_ids = self.template.prompt_ids(self.tokenizer, prompt)
+        answer_ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
+        if len(answer_ids) < self.max_answer_tokens:
+            answer_ids = answer_ids + [self.tokenizer.eos_token_id]  # a finished answer ends in EOS
+        else:
+            answer_ids = answer_ids[: self.max_answer_tokens]
+        return {"prompt_ids": prompt_ids, "answer_ids": answer_ids}
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits is not None:
+            return
+        if self.tokenizer is None:
+            raise DataError("PromptDataModule needs a tokenizer (the training pipeline passes the model's)")
+        raw = self.source.load()
+        name = self.source.describe()
+        if len(raw["train"]) == 0:
+            raise DataError(f"{name}: the train split is empty; check data.path / data.source")
+        for split, ds in raw.items():
+            if len(ds):
+                self.template.check_columns(ds.column_names, f"{name} [{split}]")
+        limits = {"train": self.max_train_samples, "validation": self.max_eval_samples, "test": self.max_eval_samples}
+        out = {}
+        for split, ds in raw.items():
+            if limits[split] is not None:
+                ds = ds.select(range(min(limits[split], len(ds))))
+            if len(ds) == 0:
+                out[split] = ds
+                continue
+            ds = ds.map(self._tokenize, remove_columns=ds.column_names, desc=f"tokenizing {split}")
+            before = len(ds)
+            ds = ds.filter(lambda r: 0 < len(r["prompt_ids"]) <= self.max_prompt_tokens)
+            if len(ds) < before:
+                log.info("%s: dropped %d of %d records whose prompt exceeds data.max_prompt_tokens=%d",
+                         split, before - len(ds), before, self.max_prompt_tokens)
+            out[split] = ds
+        if len(out["train"]) == 0:
+            raise DataError(f"{name}: no train record fits data.max_prompt_tokens={self.max_prompt_tokens}")
+        self.splits = datasets.DatasetDict(out)
+
+    # ---- batches --------------------------------------------------------------------------------------------
+    def collate(self, records: list[dict]) -> dict:
+        pad = self.tokenizer.pad_token_id
+        seqs = [r["prompt_ids"] + r["answer_ids"] for r in records]
+        width = max(len(s) for s in seqs)
+        input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+        labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, (r, s) in enumerate(zip(records, seqs)):
+            input_ids[i, : len(s)] = torch.tensor(s)
+            attention_mask[i, : len(s)] = 1
+            labels[i, len(r["prompt_ids"]): len(s)] = torch.tensor(r["answer_ids"])
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+    def _loader(self, split: str, sampler=None) -> DataLoader:
+        return DataLoader(self.splits[split], batch_size=self.batch_size if sampler else self.eval_batch_size,
+                          sampler=sampler, collate_fn=self.collate, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled batches of similar lengths (transformers' LengthGroupedSampler): little compute goes to padding."""
+        ds = self.splits["train"]
+        lengths = [len(p) + len(a) for p, a in zip(ds["prompt_ids"], ds["answer_ids"])]
+        generator = torch.Generator().manual_seed(self.shuffle_seed)
+        return self._loader("train", LengthGroupedSampler(self.batch_size, lengths=lengths, generator=generator))
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("validation")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")

@@ -1,0 +1,138 @@
+"""Where prompt/answer records come from: the Hugging Face Hub, a local file, or the offline stdlib corpus.
+
+Every source returns a ``datasets.DatasetDict`` with the splits ``train``, ``validation`` and ``test``. Splits a
+dataset lacks are carved out of its train split with a fixed seed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Callable, Mapping
+
+import datasets
+
+from lit_spec.errors import ConfigError, DataError
+from lit_spec.data import stdlib_code
+
+SPLITS = ("train", "validation", "test")
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def _complete_splits(dd: datasets.DatasetDict, val_fraction: float, test_fraction: float,
+                     seed: int) -> datasets.DatasetDict:
+    """Fill in missing validation/test splits from train, deterministically."""
+    if "train" not in dd:
+        raise DataError(f"dataset has no 'train' split (it has {sorted(dd)}); map one with data.source.splits")
+    out = dict(dd)
+    for name, fraction in (("test", test_fraction), ("validation", val_fraction)):
+        if name in out or fraction <= 0:
+            continue
+        if len(out["train"]) < 2:
+            raise DataError(f"cannot carve a '{name}' split out of a train split of {len(out['train'])} record(s)")
+        parts = out["train"].train_test_split(test_size=fraction, seed=seed, shuffle=True)
+        out["train"], out[name] = parts["train"], parts["test"]
+    for name in SPLITS:
+        out.setdefault(name, out["train"].select([]))
+    return datasets.DatasetDict({k: out[k] for k in SPLITS})
+
+
+class HFSource:
+    """Records from a hub dataset id, or from a local ``.json/.jsonl/.parquet/.csv`` file when ``path`` is set.
+
+    Args:
+        hub_id: dataset id on the Hub (``openai/gsm8k``), used when ``path`` is not set.
+        subset: the hub dataset's config name (``main`` for GSM8K), if it has several.
+        path: a local file or a directory of such files; takes precedence over ``hub_id``.
+        splits: map of our split names to the dataset's own (e.g. ``{validation: dev}``).
+        record_fn: optional importable function applied to every record (e.g. ShareGPT's first turn).
+        val_fraction/test_fraction: share of train carved out for splits the dataset lacks.
+    """
+
+    def __init__(self, hub_id: str | None = None, subset: str | None = None, path: str | None = None,
+                 splits: Mapping[str, str] | None = None, record_fn: Callable[[dict], dict | None] | None = None,
+                 val_fraction: float = 0.05, test_fraction: float = 0.0, seed: int = 0,
+                 data_files: Mapping[str, str] | None = None):
+        if not hub_id and not path:
+            raise ConfigError("data.source needs a hub id (data.source.hub_id=...) or a local file (data.path=...)")
+        self.hub_id, self.subset, self.path = hub_id, subset, path
+        self.splits = dict(splits or {})
+        self.record_fn = record_fn
+        self.val_fraction, self.test_fraction, self.seed = val_fraction, test_fraction, seed
+        self.data_files = dict(data_files) if data_files else None
+
+    def describe(self) -> str:
+        return f"local file {self.path}" if self.path else f"hub dataset {self.hub_id}"
+
+    def _load_local(self) -> datasets.DatasetDict:
+        path = Path(os.path.expanduser(self.path))
+        if not path.exists():
+            raise DataError(f"data.path={self.path}: no such file or directory")
+        files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_FORMATS) if path.is_dir() else [path]
+        if not files:
+            raise DataError(f"data.path={self.path}: no .json/.jsonl/.parquet/.csv files in it")
+        kinds = {LOCAL_FORMATS.get(p.suffix) for p in files}
+        if None in kinds or len(kinds) != 1:
+            raise DataError(f"data.path={self.path}: expected one of {sorted(LOCAL_FORMATS)} "
+                            f"(all files of one kind), got {sorted({p.suffix for p in files})}")
+        by_split: dict[str, list[str]] = {}
+        for p in files:  # files named after a split (train.jsonl, test.parquet) become that split
+            split = next((s for s in (*SPLITS, "dev", "val") if p.stem.lower().startswith(s)), "train")
+            split = {"dev": "validation", "val": "validation"}.get(split, split)
+            by_split.setdefault(split, []).append(str(p))
+        try:
+            return datasets.load_dataset(kinds.pop(), data_files=by_split)
+        except Exception as e:  # malformed JSON/parquet
+            raise DataError(f"data.path={self.path}: could not be read ({type(e).__name__}: {e})") from e
+
+    def _load_hub(self) -> datasets.DatasetDict:
+        try:
+            return datasets.load_dataset(self.hub_id, self.subset, data_files=self.data_files)
+        except Exception as e:  # ConnectionError, FileNotFoundError, DatasetNotFoundError, ...
+            raise DataError(
+                f"hub dataset '{self.hub_id}' could not be loaded ({type(e).__name__}). Without network access, "
+                f"download it elsewhere and point data.path at a local .json/.jsonl/.parquet copy."
+            ) from e
+
+    def load(self) -> datasets.DatasetDict:
+        dd = self._load_local() if self.path else self._load_hub()
+        if not isinstance(dd, datasets.DatasetDict):
+            dd = datasets.DatasetDict({"train": dd})
+        dd = datasets.DatasetDict({ours: dd[theirs] for ours, theirs in self.splits.items() if theirs in dd}
+                                  | {k: v for k, v in dd.items() if k in SPLITS and k not in self.splits})
+        if self.record_fn is not None:
+            fn = self.record_fn
+            dd = dd.filter(lambda r: fn(r) is not None).map(fn)
+        return _complete_splits(dd, self.val_fraction, self.test_fraction, self.seed)
+
+
+class StdlibCodeSource:
+    """The offline docstring -> function corpus (see ``stdlib_code``). Needs no network, exists everywhere."""
+
+    def __init__(self, seed: int = 0, val_fraction: float = 0.05, test_fraction: float = 0.05,
+                 root: str | None = None, **filters):
+        self.seed, self.val_fraction, self.test_fraction, self.root, self.filters = (
+            seed, val_fraction, test_fraction, root, filters)
+
+    def describe(self) -> str:
+        return f"stdlib-code ({self.root or stdlib_code.stdlib_dir()})"
+
+    def load(self) -> datasets.DatasetDict:
+        rows = _stdlib_rows(self.root, self.seed, self.val_fraction, self.test_fraction,
+                            tuple(sorted(self.filters.items())))
+        return datasets.DatasetDict({
+            split: datasets.Dataset.from_list([r for r in rows if r["split"] == split]) for split in SPLITS})
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_rows(root, seed, val_fraction, test_fraction, filters) -> tuple[dict, ...]:
+    return tuple(stdlib_code.iter_pairs(root, seed, val_fraction, test_fraction, **dict(filters)))
+
+
+def sharegpt_first_turn(record: dict) -> dict | None:
+    """ShareGPT: the first human turn is the prompt, the assistant's reply the answer (CLLM's MT-bench setup)."""
+    turns = record.get("conversations") or []
+    if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+        return None
+    return {"prompt": turns[0]["value"], "answer": turns[1]["value"]}

@@ -1,0 +1,57 @@
+"""Prompt templates: turn a dataset record into (prompt text or chat messages, answer text)."""
+
+from __future__ import annotations
+
+import string
+from typing import Mapping
+
+from lit_spec.errors import DataError
+
+
+def _fields(fmt: str) -> set[str]:
+    """Top-level record fields a format string reads (``{question}``, ``{conversations[0][value]}``)."""
+    names = set()
+    for _, field, _, _ in string.Formatter().parse(fmt):
+        if field:
+            names.add(field.split("[")[0].split(".")[0])
+    return names
+
+
+class PromptTemplate:
+    """Format strings over a record's columns.
+
+    Args:
+        prompt: format string of the prompt, e.g. ``"Question: {question}\\nAnswer: "``.
+        answer: format string of the target answer, e.g. ``"{answer}"``.
+        chat: wrap the prompt as the user turn of the tokenizer's chat template (ShareGPT, chat models);
+            ``fallback_chat_template`` is used when the tokenizer has none (e.g. Vicuna's v1.1 format).
+        system: optional system message for chat prompts.
+    """
+
+    def __init__(self, prompt: str, answer: str, chat: bool = False, system: str | None = None,
+                 fallback_chat_template: str | None = None):
+        self.prompt, self.answer, self.chat, self.system = prompt, answer, chat, system
+        self.fallback_chat_template = fallback_chat_template
+        self.columns = _fields(prompt) | _fields(answer)
+
+    def check_columns(self, column_names: list[str], where: str) -> None:
+        missing = sorted(self.columns - set(column_names))
+        if missing:
+            raise DataError(f"{where} has no column(s) {missing} that the prompt template needs "
+                            f"(it has {sorted(column_names)}); set data.template.prompt/answer to its columns")
+
+    def render(self, record: Mapping) -> tuple[str, str]:
+        return self.prompt.format(**record), self.answer.format(**record)
+
+    def prompt_ids(self, tokenizer, prompt: str) -> list[int]:
+        if not self.chat:
+            return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        messages = ([{"role": "system", "content": self.system}] if self.system else [])
+        messages.append({"role": "user", "content": prompt})
+        template = None if tokenizer.chat_template else self.fallback_chat_template
+        if template is None and not tokenizer.chat_template:
+            raise DataError("data.template.chat=true but the tokenizer has no chat template; "
+                            "set data.template.fallback_chat_template")
+        ids = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        return list(ids)

@@ -1,0 +1,3 @@
+from lit_spec.methods.ar import ARModule
+
+__all__ = ["ARModule"]

@@ -1,0 +1,50 @@
+"""What every method module shares: the model spec, lazy weight loading, optimizer, export.
+
+Contract (see DESIGN.md): a method module owns its trainable parameters, logs each loss term by name, and offers
+``export(dir)`` -> files that plain transformers (or our loader) read back.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+from lit_spec.methods.optim import build_optimizer
+from lit_spec.models import spec_from_dict
+
+
+class MethodModule(L.LightningModule):
+    """Args:
+        model_spec: the ``model`` group's spec (or its dict, when restored from a checkpoint).
+        lr, weight_decay, betas, warmup_steps, scheduler, min_lr_ratio: AdamW + warmup/decay schedule.
+    """
+
+    def __init__(self, model_spec, lr: float = 2e-5, weight_decay: float = 0.0, betas: tuple = (0.9, 0.999),
+                 warmup_steps: int = 0, scheduler: str = "cosine", min_lr_ratio: float = 0.1, **method_hparams):
+        super().__init__()
+        self.model_spec = spec_from_dict(model_spec) if isinstance(model_spec, dict) else model_spec
+        # Primitives only (torch>=2.6 loads checkpoints with weights_only=True): the spec is kept as a dict, so
+        # ``load_from_checkpoint(path)`` rebuilds the module with no other argument.
+        self.save_hyperparameters(ignore=["model_spec"])
+        self.hparams["model_spec"] = self.model_spec.to_dict()
+        self.model: torch.nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self.model_spec.load_model().train()  # from_pretrained returns eval mode
+
+    def configure_optimizers(self):
+        return build_optimizer(self, self.hparams)
+
+    def export(self, directory, state_dict: dict | None = None) -> None:
+        """Write the model and tokenizer with ``save_pretrained`` (safetensors); plain transformers loads them.
+
+        ``state_dict`` is this module's consolidated state (keys ``model.*``) when the live weights are sharded.
+        """
+        model = self.model
+        if state_dict is not None:
+            model = self.model_spec.load_model()
+            model.load_state_dict({k.removeprefix("model."): v for k, v in state_dict.items()
+                                   if k.startswith("model.")})
+        model.save_pretrained(directory, safe_serialization=True)
+        self.model_spec.load_tokenizer().save_pretrained(directory)

@@ -1,0 +1,50 @@
+"""Optimizer and learning-rate schedule shared by every method module."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if kind == "linear":
+            return 1.0 - (1.0 - min_ratio) * progress
+        if kind == "cosine":
+            return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        raise ValueError(f"method.scheduler={kind!r}: expected cosine, linear or constant")
+
+    return f
+
+
+def _uses_cpu_offload(module) -> bool:
+    strategy = module.trainer.strategy
+    zero = getattr(strategy, "config", None) or {}
+    return bool(zero.get("zero_optimization", {}).get("offload_optimizer"))
+
+
+def build_optimizer(module, hp) -> dict:
+    """AdamW over the trainable parameters (no decay on biases and norms) with warmup + decay per step."""
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
+        {"params": [p for n, p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    betas = tuple(hp.betas)
+    if _uses_cpu_offload(module):  # DeepSpeed ZeRO-Offload steps the optimizer on the CPU with its own Adam
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(groups, lr=hp.lr, betas=betas, adamw_mode=True)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=betas)
+    total = module.trainer.estimated_stepping_batches
+    total = int(total) if math.isfinite(total) else 0
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _lr_lambda(hp.scheduler, hp.warmup_steps, total, hp.min_lr_ratio))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

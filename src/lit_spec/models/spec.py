@@ -1,0 +1,95 @@
+"""What a config's ``model`` group builds: a *spec* that knows where a causal LM lives and how to load it.
+
+Methods receive the spec, not the model, and load the weights in ``LightningModule.configure_model`` so that
+DeepSpeed ZeRO-3 / FSDP can shard the initialisation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from lit_spec.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class HFModelSpec:
+    """Any ``AutoModelForCausalLM`` + tokenizer, from a hub id or a local ``save_pretrained`` directory.
+
+    Args:
+        name_or_path: hub id (``meta-llama/Llama-2-7b-hf``) or local directory.
+        dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16`` or ``float16``.
+        attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2`` or null for transformers' default.
+        gradient_checkpointing: trade compute for activation memory while training.
+        trust_remote_code: run model code shipped with the checkpoint (off unless you trust it).
+        revision: hub branch, tag or commit.
+    """
+
+    name_or_path: str
+    dtype: str = "auto"
+    attn_implementation: str | None = "sdpa"
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+
+    def prepare(self) -> None:
+        """Make sure the weights exist (subclasses build or train them here). Nothing to do for a plain model."""
+
+    def _load_kwargs(self) -> dict:
+        return {"trust_remote_code": self.trust_remote_code, "revision": self.revision}
+
+    def validate(self) -> None:
+        """Fail early, with a message, if the model cannot be found or its tokenizer does not fit it."""
+        path = Path(os.path.expanduser(self.name_or_path))
+        if path.exists():
+            if not (path / "config.json").is_file():
+                raise ConfigError(f"model.name_or_path={self.name_or_path}: a directory without config.json; "
+                                  "point it at a save_pretrained directory")
+        elif self.name_or_path.startswith((".", "/", "~")):
+            raise ConfigError(f"model.name_or_path={self.name_or_path}: no such directory")
+        try:
+            config = AutoConfig.from_pretrained(self.name_or_path, **self._load_kwargs())
+            tokenizer = self.load_tokenizer()
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"model '{self.name_or_path}' could not be loaded ({type(e).__name__}: {str(e).splitlines()[0]}). "
+                "If it is a hub id and this machine is offline, download it elsewhere "
+                "(`hf download <id> --local-dir DIR`) and set model.name_or_path=DIR"
+            ) from e
+        vocab = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", None)
+        if vocab is not None and len(tokenizer) > vocab:
+            raise ConfigError(f"tokenizer of {self.name_or_path} has {len(tokenizer)} tokens but the model's "
+                              f"embedding has {vocab}: the tokenizer does not belong to this model")
+
+    def load_tokenizer(self):
+        tokenizer = AutoTokenizer.from_pretrained(self.name_or_path, **self._load_kwargs())
+        if tokenizer.pad_token_id is None:  # Llama-2 and friends ship none; padding is always masked anyway
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+
+    def load_model(self) -> torch.nn.Module:
+        kwargs = self._load_kwargs() | {"dtype": DTYPES[self.dtype]}
+        if self.attn_implementation:
+            kwargs["attn_implementation"] = self.attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(self.name_or_path, **kwargs)
+        if self.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        return model
+
+    def to_dict(self) -> dict:
+        return {"class": f"{type(self).__module__}.{type(self).__qualname__}", **asdict(self)}

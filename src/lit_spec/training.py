@@ -1,0 +1,77 @@
+"""The training pipeline behind ``python -m lit_spec.train``: check, build everything from config, fit, export."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from lit_spec.errors import ConfigError
+from lit_spec.export import export_pretrained
+from lit_spec.io import write_json
+from lit_spec.loggers import finish_wandb
+
+log = logging.getLogger(__name__)
+
+
+def check_hardware(cfg: DictConfig) -> None:
+    """Strategies and accelerators that need CUDA fail here, in one line, instead of deep inside Lightning."""
+    if torch.cuda.is_available():
+        return
+    strategy = cfg.trainer.get("strategy")
+    target = strategy.get("_target_", "") if isinstance(strategy, DictConfig) else str(strategy)
+    if "DeepSpeed" in target or "deepspeed" in target:
+        raise ConfigError("DeepSpeed strategies run only on CUDA GPUs and this machine has none: "
+                          "use strategy=auto (or ddp/ddp_spawn) here")
+    if cfg.trainer.get("accelerator") in {"gpu", "cuda"}:
+        raise ConfigError(f"trainer.accelerator={cfg.trainer.accelerator} but no CUDA GPU is visible: "
+                          "use trainer=cpu")
+
+
+def _instantiate_group(group: DictConfig | None) -> list:
+    """Build every entry of a ``{name: {_target_: ...}}`` group (callbacks, loggers); null entries are skipped."""
+    return [instantiate(c) for c in (group or {}).values() if c is not None and "_target_" in c]
+
+
+def run_training(cfg: DictConfig) -> dict[str, float]:
+    """Fit ``cfg.method`` on ``cfg.data`` with ``cfg.trainer``; export to ``cfg.export_dir``; return final metrics."""
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    check_hardware(cfg)
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path and not Path(ckpt_path).exists():
+        raise ConfigError(f"ckpt_path={ckpt_path}: no such checkpoint; pass a .ckpt file (or DeepSpeed checkpoint "
+                          "directory) from an earlier run's checkpoints/")
+
+    model_spec = instantiate(cfg.model, _convert_="all")
+    model_spec.prepare()
+    model_spec.validate()
+    tokenizer = model_spec.load_tokenizer()
+    datamodule = instantiate(cfg.data, _partial_=True, _convert_="all")(tokenizer=tokenizer)
+    datamodule.setup("fit")  # bad data fails here, before any training
+    module = instantiate(cfg.method, _partial_=True, _convert_="all")(model_spec=model_spec)
+
+    trainer: L.Trainer = instantiate(cfg.trainer, _partial_=True)(
+        callbacks=_instantiate_group(cfg.get("callbacks")), logger=_instantiate_group(cfg.get("logger")) or False)
+    if trainer.is_global_zero:
+        log.info("model %s | data %s | output %s", model_spec.name_or_path, datamodule.source.describe(),
+                 cfg.paths.output_dir)
+        Path(cfg.paths.output_dir).mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, Path(cfg.paths.output_dir) / "config.yaml", resolve=True)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        metrics["global_step"] = trainer.global_step
+        if cfg.get("export_dir"):
+            export_pretrained(trainer, module, cfg.export_dir)
+        if trainer.is_global_zero:
+            write_json(Path(cfg.paths.output_dir) / "metrics.json", metrics)
+            log.info("metrics: %s", metrics)
+        return metrics
+    finally:
+        finish_wandb()

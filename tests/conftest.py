@@ -1,0 +1,49 @@
+"""Shared fixtures: a private stage cache, composed configs with a temporary output dir, a micro tiny model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from omegaconf import DictConfig, open_dict
+
+from lit_spec.config import compose_config
+
+# A micro Llama (tiny.yaml shape, shrunk) and a small data budget: each training test runs in seconds.
+MICRO_MODEL = ["model=tiny", "model.vocab_size=512", "model.hidden_size=32", "model.intermediate_size=64",
+               "model.num_hidden_layers=2", "model.num_attention_heads=2", "model.num_key_value_heads=2"]
+MICRO_RUN = MICRO_MODEL + ["data.max_train_samples=64", "data.max_eval_samples=16", "data.batch_size=8",
+                           "data.max_prompt_tokens=64", "data.max_answer_tokens=64", "trainer.max_steps=8",
+                           "trainer.val_check_interval=4", "trainer.num_sanity_val_steps=0",
+                           "trainer.enable_progress_bar=false", "method.lr=3e-3", "callbacks.throughput.window_size=2"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stage_cache(tmp_path_factory) -> Path:
+    """Every test builds stages (tiny model, tiny target) into one private cache, never the user's."""
+    cache = tmp_path_factory.mktemp("lit_spec_cache")
+    os.environ["LIT_SPEC_CACHE"] = str(cache)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["WANDB_MODE"] = "offline"
+    os.environ.pop("WANDB_API_KEY", None)
+    return cache
+
+
+def make_config(output_dir: Path, overrides=()) -> DictConfig:
+    """``conf/train.yaml`` composed with overrides, writing into ``output_dir`` (no Hydra run dir outside an app)."""
+    cfg = compose_config(list(overrides))
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(output_dir)
+    return cfg
+
+
+@pytest.fixture
+def micro_config(tmp_path):
+    """Factory: a micro AR run's config in ``tmp_path/run``, plus any overrides."""
+
+    def build(*overrides: str, output_dir: Path | None = None) -> DictConfig:
+        return make_config(output_dir or tmp_path / "run", [*MICRO_RUN, *overrides])
+
+    return build
