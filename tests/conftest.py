@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, open_dict
 
-from lit_spec.config import compose_config
+# No network in tests, and W&B never goes online: set before transformers/datasets/wandb read them at import.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["WANDB_MODE"] = "offline"
+os.environ.pop("WANDB_API_KEY", None)
+
+from lit_spec.config import compose_config  # noqa: E402
 
 # A micro Llama (tiny.yaml shape, shrunk) and a small data budget: each training test runs in seconds.
 MICRO_MODEL = ["model=tiny", "model.vocab_size=512", "model.hidden_size=32", "model.intermediate_size=64",
@@ -24,10 +30,6 @@ def stage_cache(tmp_path_factory) -> Path:
     """Every test builds stages (tiny model, tiny target) into one private cache, never the user's."""
     cache = tmp_path_factory.mktemp("lit_spec_cache")
     os.environ["LIT_SPEC_CACHE"] = str(cache)
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ["WANDB_MODE"] = "offline"
-    os.environ.pop("WANDB_API_KEY", None)
     return cache
 
 
