@@ -1,7 +1,9 @@
 """A model produced by an earlier stage (e.g. the tiny target, pretrained by ``+experiment=tiny_target``).
 
 The stage's composed config is hashed; its exported model is cached under ``cache_dir/<stage>-<hash>`` and reused by
-every later run. A missing cache entry is built on first use by running that experiment's training.
+every later run. A missing cache entry is built on first use by running that experiment's training, in a fixed run
+directory (``cache_dir/runs/<stage>-<hash>``): an interrupted build resumes from its last checkpoint there, because
+``OnExceptionCheckpoint`` makes Lightning's ``fit`` pick up the newest checkpoint of its directory.
 """
 
 from __future__ import annotations
@@ -47,6 +49,4 @@ class StageModelSpec(HFModelSpec):
         with open_dict(cfg):
             cfg.paths.output_dir = str(out.parent / "runs" / out.name)
             cfg.export_dir = str(out)
-            cfg.logger = {"csv": {"_target_": "lightning.pytorch.loggers.CSVLogger",
-                                  "save_dir": cfg.paths.output_dir, "name": "csv"}}
         run_training(cfg)
