@@ -16,6 +16,9 @@ from lit_spec.errors import DataError
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
+# What every split holds after setup(), empty ones included.
+TOKEN_FEATURES = datasets.Features({"prompt_ids": datasets.Sequence(datasets.Value("int64")),
+                                   "answer_ids": datasets.Sequence(datasets.Value("int64"))})
 
 
 def batch_size(batch: dict) -> int:
@@ -80,7 +83,7 @@ class PromptDataModule(L.LightningDataModule):
             if limits[split] is not None:
                 ds = ds.select(range(min(limits[split], len(ds))))
             if len(ds) == 0:
-                out[split] = ds
+                out[split] = datasets.Dataset.from_dict({k: [] for k in TOKEN_FEATURES}, features=TOKEN_FEATURES)
                 continue
             ds = ds.map(self._tokenize, remove_columns=ds.column_names, desc=f"tokenizing {split}")
             before = len(ds)

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 import datasets
+import pyarrow
+import pyarrow.parquet
 
 from lit_spec.errors import ConfigError, DataError
 from lit_spec.data import stdlib_code
@@ -27,7 +29,7 @@ def _complete_splits(dd: datasets.DatasetDict, val_fraction: float, test_fractio
         raise DataError(f"dataset has no 'train' split (it has {sorted(dd)}); map one with data.source.splits")
     out = dict(dd)
     for name, fraction in (("test", test_fraction), ("validation", val_fraction)):
-        if name in out or fraction <= 0:
+        if name in out or fraction <= 0 or len(out["train"]) == 0:  # an empty dataset is reported by the caller
             continue
         if len(out["train"]) < 2:
             raise DataError(f"cannot carve a '{name}' split out of a train split of {len(out['train'])} record(s)")
@@ -36,6 +38,20 @@ def _complete_splits(dd: datasets.DatasetDict, val_fraction: float, test_fractio
     for name in SPLITS:
         out.setdefault(name, out["train"].select([]))
     return datasets.DatasetDict({k: out[k] for k in SPLITS})
+
+
+def _has_no_records(path: Path) -> bool:
+    """A blank file, an empty JSON list or a parquet table of 0 rows: ``datasets`` fails on them obscurely."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if len(head) < 4096 and b"".join(head.split()) in (b"", b"[]"):
+        return True
+    if path.suffix == ".parquet":
+        try:
+            return pyarrow.parquet.read_metadata(path).num_rows == 0
+        except pyarrow.ArrowException:  # not parquet at all: loading it says so
+            return False
+    return False
 
 
 class HFSource:
@@ -76,6 +92,9 @@ class HFSource:
         if None in kinds or len(kinds) != 1:
             raise DataError(f"data.path={self.path}: expected one of {sorted(LOCAL_FORMATS)} "
                             f"(all files of one kind), got {sorted({p.suffix for p in files})}")
+        empty = [str(p) for p in files if _has_no_records(p)]
+        if empty:
+            raise DataError(f"data.path={self.path}: empty dataset, no records in {', '.join(empty)}")
         by_split: dict[str, list[str]] = {}
         for p in files:  # files named after a split (train.jsonl, test.parquet) become that split
             split = next((s for s in (*SPLITS, "dev", "val") if p.stem.lower().startswith(s)), "train")
@@ -84,7 +103,10 @@ class HFSource:
         try:
             return datasets.load_dataset(kinds.pop(), data_files=by_split)
         except Exception as e:  # malformed JSON/parquet
-            raise DataError(f"data.path={self.path}: could not be read ({type(e).__name__}: {e})") from e
+            if isinstance(e, ValueError) and "corresponds to no data" in str(e):  # e.g. a CSV of only a header
+                raise DataError(f"data.path={self.path}: empty dataset, a split has no records ({e})") from e
+            cause = e.__cause__ or e  # DatasetGenerationError's own message says nothing about the file
+            raise DataError(f"data.path={self.path}: could not be read ({type(cause).__name__}: {cause})") from e
 
     def _load_hub(self) -> datasets.DatasetDict:
         try:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import re
 import sysconfig
-import textwrap
 from pathlib import Path
 from typing import Iterator
 
@@ -49,18 +49,28 @@ def _split_of(key: str, seed: int, val_fraction: float, test_fraction: float) ->
     return "train"
 
 
-def function_pair(source: str, node: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, str] | None:
-    """(docstring, code without its docstring) of one function node, or None if it has no docstring."""
+def source_lines(source: str) -> list[str]:
+    """``source`` split into lines as ``ast`` numbers them (``str.splitlines`` also splits on \\f, \\x1c, ...)."""
+    return re.split(r"\r\n|\r|\n", source)
+
+
+def function_pair(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, str] | None:
+    """(docstring, code without its docstring) of one function node, or None if it has no docstring.
+
+    ``lines`` are the module's ``source_lines``.
+    """
     doc = ast.get_docstring(node, clean=True)
     if not doc:
         return None
-    lines = source.splitlines()
+    if len(node.body) == 1:  # body was only the docstring
+        return None
     doc_node = node.body[0]
     start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
     kept = lines[start:doc_node.lineno - 1] + lines[doc_node.end_lineno:node.end_lineno]
-    if len(node.body) == 1:  # body was only the docstring
-        return None
-    code = textwrap.dedent("\n".join(kept)).strip("\n")
+    # Remove the def's own indentation. Not textwrap.dedent: a multi-line string or a comment at column 0 in the
+    # body would leave a method indented, and its code would not parse.
+    indent = lines[node.lineno - 1][:node.col_offset]
+    code = "\n".join(line[len(indent):] if line.startswith(indent) else line for line in kept).strip("\n")
     return doc, code
 
 
@@ -74,12 +84,13 @@ def iter_pairs(root: Path | None = None, seed: int = 0, val_fraction: float = 0.
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
+            lines = source_lines(source)
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         module = ".".join(path.relative_to(root).with_suffix("").parts)
         seen: dict[str, int] = {}
         for qualname, node in _functions(tree):
-            pair = function_pair(source, node)
+            pair = function_pair(lines, node)
             if pair is None:
                 continue
             doc, code = pair
