@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from functools import partial
 from pathlib import Path
@@ -33,6 +34,28 @@ def check_hardware(cfg: DictConfig) -> None:
                           "use trainer=cpu")
 
 
+class _FinishRun(L.Callback):
+    """Final metrics, export and ``metrics.json``, done at the end of fit in the processes that trained.
+
+    With ``strategy=ddp_spawn`` those are spawned workers: the launching process gets back neither the model (it
+    never built one) nor the step count, so nothing there could be exported.
+    """
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.metrics: dict[str, float] | None = None
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        metrics["global_step"] = trainer.global_step
+        if self.cfg.get("export_dir"):
+            export_pretrained(trainer, module, self.cfg.export_dir)
+        if trainer.is_global_zero:
+            write_json(Path(self.cfg.paths.output_dir) / "metrics.json", metrics)
+            log.info("metrics: %s", metrics)
+        self.metrics = metrics
+
+
 def _instantiate_group(group: DictConfig | None) -> list:
     """Build every entry of a ``{name: {_target_: ...}}`` group (callbacks, loggers); null entries are skipped."""
     return [instantiate(c) for c in (group or {}).values() if c is not None and "_target_" in c]
@@ -56,8 +79,10 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     datamodule.setup("fit")  # bad data fails here, before any training
     module = instantiate(cfg.method, _partial_=True, _convert_="all")(model_spec=model_spec)
 
+    finish = _FinishRun(cfg)
     trainer: L.Trainer = instantiate(cfg.trainer, _partial_=True)(
-        callbacks=_instantiate_group(cfg.get("callbacks")), logger=_instantiate_group(cfg.get("logger")) or False)
+        callbacks=[*_instantiate_group(cfg.get("callbacks")), finish],
+        logger=_instantiate_group(cfg.get("logger")) or False)
     if trainer.is_global_zero:
         log.info("model %s | data %s | output %s", model_spec.name_or_path, datamodule.source.describe(),
                  cfg.paths.output_dir)
@@ -65,13 +90,8 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
         OmegaConf.save(cfg, Path(cfg.paths.output_dir) / "config.yaml", resolve=True)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-        metrics["global_step"] = trainer.global_step
-        if cfg.get("export_dir"):
-            export_pretrained(trainer, module, cfg.export_dir)
-        if trainer.is_global_zero:
-            write_json(Path(cfg.paths.output_dir) / "metrics.json", metrics)
-            log.info("metrics: %s", metrics)
-        return metrics
+        if finish.metrics is None:  # ddp_spawn: the run finished in worker processes, whose rank 0 wrote these
+            return json.loads((Path(cfg.paths.output_dir) / "metrics.json").read_text())
+        return finish.metrics
     finally:
         finish_wandb()

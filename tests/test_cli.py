@@ -1,0 +1,150 @@
+"""``python -m lit_spec.train`` as a user runs it: one-line errors, ``--cfg job`` per experiment, a multirun sweep.
+
+Every subprocess pays ~10 s of imports (torch, lightning, transformers) on this machine, so the short ones are
+started together by one module fixture and their results shared by the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from conftest import MICRO_RUN
+from lit_spec.config import config_dir
+
+EXPERIMENTS = sorted(p.stem for p in (config_dir() / "experiment").glob("*.yaml") if not p.name.startswith("_"))
+# every experiment composes in-process in test_config.py; through the real CLI, two of them (each costs ~10 s)
+CLI_EXPERIMENTS = (["tiny_target"] if "tiny_target" in EXPERIMENTS else []) + [
+    e for e in EXPERIMENTS if e != "tiny_target"][:1]
+
+ERROR_CASES = {
+    "deepspeed": ["strategy=deepspeed_zero2"],
+    "gpu": ["trainer=gpu"],
+    "ckpt": ["ckpt_path=/nonexistent.ckpt"],
+}
+TIMEOUT_S = 300
+
+
+def _env(cache: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(LIT_SPEC_CACHE=str(cache), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline",
+               PYTHONUNBUFFERED="1")
+    env.pop("WANDB_API_KEY", None)
+    return env
+
+
+def _train_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lit_spec.train", *args]
+
+
+def _run_all(cmds: dict[str, list[str]], cwd: Path, env: dict[str, str]) -> dict[str, subprocess.CompletedProcess]:
+    """Run the commands concurrently (stdin closed: nothing may prompt); output goes to files, so no pipe fills."""
+    procs, logs = {}, {}
+    try:
+        for name, cmd in cmds.items():
+            out, err = cwd / f"{name}.out", cwd / f"{name}.err"
+            logs[name] = (out, err)
+            with open(out, "w") as o, open(err, "w") as e:
+                procs[name] = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=o, stderr=e)
+        results = {}
+        for name, p in procs.items():
+            try:
+                p.wait(timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                pytest.fail(f"{' '.join(cmds[name])} did not finish in {TIMEOUT_S} s")
+            out, err = logs[name]
+            results[name] = subprocess.CompletedProcess(p.args, p.returncode, out.read_text(), err.read_text())
+        return results
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def cli(stage_cache, tmp_path_factory) -> tuple[dict[str, subprocess.CompletedProcess], Path]:
+    root = tmp_path_factory.mktemp("cli")
+    cmds = {name: _train_cmd(*args, *MICRO_RUN, f"hydra.run.dir={root / name}")
+            for name, args in ERROR_CASES.items()}
+    cmds |= {f"cfg_{e}": _train_cmd(f"+experiment={e}", f"hydra.run.dir={root / e}", "--cfg", "job")
+             for e in CLI_EXPERIMENTS}
+    return _run_all(cmds, root, _env(stage_cache)), root
+
+
+def _one_line_error(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.mark.slow
+def test_deepspeed_on_cpu_is_a_one_line_error(cli):
+    results, root = cli
+    line = _one_line_error(results["deepspeed"])
+    assert "DeepSpeed" in line and "CUDA" in line, line
+    assert not (root / "deepspeed" / "config.yaml").exists(), "it failed before building anything"
+
+
+@pytest.mark.slow
+def test_gpu_trainer_on_cpu_is_a_one_line_error(cli):
+    line = _one_line_error(cli[0]["gpu"])
+    assert "trainer.accelerator=gpu" in line and "CUDA" in line and "trainer=cpu" in line, line
+
+
+@pytest.mark.slow
+def test_missing_checkpoint_is_a_one_line_error(cli):
+    line = _one_line_error(cli[0]["ckpt"])
+    assert "/nonexistent.ckpt" in line and "no such checkpoint" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", CLI_EXPERIMENTS)
+def test_cfg_job_prints_the_experiment(cli, experiment):
+    result = cli[0][f"cfg_{experiment}"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert any(line.startswith("model:") for line in result.stdout.splitlines()), result.stdout[:2000]
+    printed = yaml.safe_load(result.stdout)
+    assert {"model", "data", "method", "trainer", "callbacks", "paths"} <= set(printed), sorted(printed)
+    assert "hydra" not in printed  # --cfg job: the job's config only
+    task_name = OmegaConf.load(config_dir() / "experiment" / f"{experiment}.yaml").get("task_name")
+    if task_name is not None:
+        assert printed["task_name"] == task_name
+
+
+@pytest.mark.slow
+def test_multirun_sweep_gives_each_job_its_run_dir(stage_cache, tmp_path):
+    micro = [o for o in MICRO_RUN if not o.startswith("method.lr=")]  # the sweep sets it
+    sweep = tmp_path / "sweep"
+    cmd = _train_cmd("-m", "method.lr=1e-3,2e-3", *micro, f"hydra.sweep.dir={sweep}")
+    result = _run_all({"multirun": cmd}, tmp_path, _env(stage_cache))["multirun"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    weights = []
+    for job, lr in (("0", 1e-3), ("1", 2e-3)):
+        run = sweep / job
+        metrics = json.loads((run / "metrics.json").read_text())
+        assert metrics["global_step"] == 8 and metrics["val/loss"] > 0, metrics
+        cfg = OmegaConf.load(run / "config.yaml")
+        assert cfg.method.lr == lr
+        assert Path(cfg.paths.output_dir) == run and Path(cfg.export_dir) == run / "export"
+        ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+        assert ckpt["global_step"] == 8 and ckpt["hyper_parameters"]["lr"] == lr
+        weights.append(load_file(run / "export" / "model.safetensors"))
+    assert weights[0].keys() == weights[1].keys()
+    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "two lrs, same weights"

@@ -1,0 +1,217 @@
+"""Every YAML under conf/ composes, resolves and names importable targets; strategy configs build on this machine."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra._internal.utils import _locate
+from hydra.utils import instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf.errors import UnsupportedInterpolationType
+
+from lit_spec.config import compose_config, config_dir
+
+CONF = config_dir()
+# groups whose option is chosen on the command line as group=option (experiment is appended: +experiment=name)
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in {"hydra", "experiment"})
+# a config that deliberately leaves a value for the user (model=hf: name_or_path is mandatory)
+MANDATORY = {("model", "hf"): {"model.name_or_path"}}
+# hydra.utils helpers whose `path` names a second thing to import
+LOCATORS = {"hydra.utils.get_method", "hydra.utils.get_class", "hydra.utils.get_object"}
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml") if not p.name.startswith("_"))
+
+
+def _cases() -> list:
+    cases = [pytest.param(f"{g}={o}", (g, o), id=f"{g}={o}") for g in GROUPS for o in _options(g)]
+    cases += [pytest.param(f"+experiment={o}", ("experiment", o), id=f"experiment={o}")
+              for o in _options("experiment")]
+    return cases
+
+
+def _composed(override: str, output_dir: Path) -> DictConfig:
+    cfg = compose_config([override])
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(output_dir)
+    return cfg
+
+
+def _resolve_all(node, path: str = "") -> tuple[list[str], list[str]]:
+    """Resolve every value except ``${hydra:...}`` ones; returns (mandatory ``???`` keys, failures)."""
+    missing, failures = [], []
+    keys = range(len(node)) if isinstance(node, ListConfig) else list(node.keys())
+    for key in keys:
+        where = f"{path}.{key}" if path else str(key)
+        if OmegaConf.is_missing(node, key):
+            missing.append(where)
+            continue
+        child = node._get_node(key)
+        if isinstance(child, (DictConfig, ListConfig)) and not OmegaConf.is_interpolation(node, key):
+            m, f = _resolve_all(child, where)
+            missing += m
+            failures += f
+            continue
+        raw = child._value()
+        if isinstance(raw, str) and "${hydra:" in raw:
+            continue  # only a running Hydra app knows these
+        try:
+            node[key]
+        except UnsupportedInterpolationType as e:
+            if "hydra" not in str(e):
+                failures.append(f"{where}: {e}")
+        except Exception as e:  # noqa: BLE001 - report every unresolvable value at once
+            failures.append(f"{where}: {type(e).__name__}: {e}")
+    return missing, failures
+
+
+def _targets(node, path: str = "") -> list[tuple[str, str]]:
+    """(where, dotted name) for every ``_target_`` and every ``path`` of a hydra.utils.get_* node."""
+    found = []
+    if isinstance(node, DictConfig):
+        target = node.get("_target_")
+        if target is not None:
+            found.append((f"{path}._target_", target))
+            if target in LOCATORS and node.get("path"):
+                found.append((f"{path}.path", node.path))
+        for key in node.keys():
+            if key != "_target_":
+                found += _targets(node._get_node(key), f"{path}.{key}" if path else str(key))
+    elif isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            found += _targets(node._get_node(i), f"{path}[{i}]")
+    return found
+
+
+def test_every_group_option_is_covered():
+    """The discovery below is not vacuous: the groups train.yaml is built from are all there, with options."""
+    assert {"model", "method", "data", "trainer", "strategy", "logger", "callbacks", "paths"} <= set(GROUPS)
+    assert all(_options(g) for g in GROUPS + ["experiment"]), {g: _options(g) for g in GROUPS}
+    assert "_prompt" not in _options("data") and "stdlib_code" in _options("data")
+
+
+@pytest.mark.parametrize("override, choice", _cases())
+def test_option_composes_resolves_and_targets_import(override, choice, tmp_path):
+    group, option = choice
+    cfg = _composed(override, tmp_path)
+
+    missing, failures = _resolve_all(cfg)
+    assert not failures, "\n".join(failures)
+    assert set(missing) == MANDATORY.get(choice, set()), f"unexpected ??? values: {missing}"
+
+    targets = _targets(cfg)
+    assert targets, "a composed train config always builds something"
+    bad = []
+    for where, name in targets:
+        try:
+            _locate(name)
+        except Exception as e:  # noqa: BLE001
+            bad.append(f"{where}={name}: {type(e).__name__}: {e}")
+    assert not bad, "\n".join(bad)
+
+    # the option really was selected
+    if group == "strategy":
+        assert "strategy" in cfg.trainer and "strategy" not in cfg
+    elif group in {"model", "method", "data", "trainer"}:
+        raw = OmegaConf.load(CONF / group / f"{option}.yaml")
+        if "_target_" in raw:
+            assert cfg[group]._target_ == raw._target_
+    elif group in {"logger", "callbacks"}:
+        assert cfg[group], f"{override} composed an empty {group} group"
+
+
+@pytest.mark.parametrize("option", _options("experiment"))
+def test_experiment_values_win(option, tmp_path):
+    """An experiment is '# @package _global_' and is applied last: every value it sets is what the run sees."""
+    cfg = _composed(f"+experiment={option}", tmp_path)
+    assert "experiment" not in cfg, "missing '# @package _global_': the experiment landed under cfg.experiment"
+
+    raw = OmegaConf.to_container(OmegaConf.load(CONF / "experiment" / f"{option}.yaml"), resolve=False)
+    raw.pop("defaults", None)
+    composed = OmegaConf.to_container(cfg, resolve=False)
+
+    def leaves(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and v:
+                yield from leaves(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    wrong = []
+    for key, value in leaves(raw):
+        node = composed
+        for part in key.split("."):
+            node = node.get(part, "<absent>") if isinstance(node, dict) else "<absent>"
+        if node != value:
+            wrong.append(f"{key}: experiment says {value!r}, composed {node!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_hydra_run_and_sweep_dirs():
+    """conf/hydra: one directory per run under logs/<task_name>/runs; multirun jobs get <sweep dir>/<job number>."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["task_name=probe"], return_hydra_config=True)
+    assert cfg.hydra.job.chdir is False
+    run_dir = Path(cfg.hydra.run.dir)
+    assert run_dir.parts[:3] == ("logs", "probe", "runs") and len(run_dir.parts) == 4
+    assert Path(cfg.hydra.sweep.dir).parts[:3] == ("logs", "probe", "multiruns")
+    assert OmegaConf.to_container(cfg.hydra.sweep, resolve=False)["subdir"] == "${hydra.job.num}"
+    assert OmegaConf.to_container(cfg.paths, resolve=False)["output_dir"] == "${hydra:runtime.output_dir}"
+
+
+# ---- strategies: each builds its Lightning object here, on a machine with no GPU -------------------------------
+
+def _strategy(name: str, tmp_path: Path):
+    cfg = _composed(f"strategy={name}", tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy = instantiate(cfg.trainer.strategy)
+    hydra_deprecations = [str(w.message) for w in caught if "_target_" in str(w.message)]
+    assert not hydra_deprecations, hydra_deprecations
+    return strategy
+
+
+@pytest.mark.parametrize("name, stage, offload", [("deepspeed_zero2", 2, False), ("deepspeed_zero3", 3, False),
+                                                  ("deepspeed_zero3_offload", 3, True)])
+def test_deepspeed_strategies_build(name, stage, offload, tmp_path):
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    strategy = _strategy(name, tmp_path)
+    assert isinstance(strategy, DeepSpeedStrategy)
+    zero = strategy.config["zero_optimization"]
+    assert zero["stage"] == stage
+    assert zero["allgather_bucket_size"] == zero["reduce_bucket_size"] == 200_000_000
+    if offload:
+        assert zero["offload_optimizer"]["device"] == "cpu"
+        assert zero["offload_param"]["device"] == "cpu"
+    else:
+        assert "offload_optimizer" not in zero and "offload_param" not in zero
+
+
+def test_fsdp_strategy_builds(tmp_path):
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    strategy = _strategy("fsdp", tmp_path)
+    assert isinstance(strategy, FSDPStrategy)
+    assert strategy.sharding_strategy == ShardingStrategy.FULL_SHARD
+    assert strategy._state_dict_type == "full"  # export.py relies on a full state dict gathered on rank 0
+    policy = strategy.kwargs["auto_wrap_policy"]
+    assert isinstance(policy, functools.partial) and policy.func is size_based_auto_wrap_policy
+    assert policy.keywords == {"min_num_params": 100_000_000}
+
+
+@pytest.mark.parametrize("name, start_method", [("ddp", "popen"), ("ddp_spawn", "spawn")])
+def test_ddp_strategies_build(name, start_method, tmp_path):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy = _strategy(name, tmp_path)
+    assert isinstance(strategy, DDPStrategy)
+    assert strategy._start_method == start_method
+    assert strategy._ddp_kwargs == {"find_unused_parameters": False}
