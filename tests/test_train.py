@@ -58,3 +58,15 @@ def test_resume_continues_at_the_right_step(micro_config, tmp_path):
     # the weights were restored, not re-initialised: the first resumed step starts far below the initial loss
     initial = _logged(Path(first.paths.output_dir), "train/loss")[0][1]
     assert resumed[0][1] < initial - 0.3, (initial, resumed)
+
+
+def test_errors_raised_while_building_from_config_are_not_wrapped(micro_config):
+    """Hydra wraps exceptions of a ``_target_`` in InstantiationException; the user must see our message."""
+    import pytest
+
+    from lit_spec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.dtype='int8'"):
+        run_training(micro_config("model.dtype=int8"))
+    with pytest.raises(ConfigError, match="hub id"):
+        run_training(micro_config("data=gsm8k", "data.source.hub_id=null"))

@@ -14,11 +14,12 @@ from omegaconf import DictConfig
 
 from lit_spec.config import config_dir
 from lit_spec.errors import LitSpecError
-from lit_spec.training import run_training
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    from lit_spec.training import run_training  # imported here: `--cfg job` / `--help` need no torch/lightning
+
     try:
         metrics = run_training(cfg)
     except LitSpecError as e:
