@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import lightning as L
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -62,11 +64,37 @@ def test_resume_continues_at_the_right_step(micro_config, tmp_path):
 
 def test_errors_raised_while_building_from_config_are_not_wrapped(micro_config):
     """Hydra wraps exceptions of a ``_target_`` in InstantiationException; the user must see our message."""
-    import pytest
-
     from lit_spec.errors import ConfigError
 
     with pytest.raises(ConfigError, match="model.dtype='int8'"):
         run_training(micro_config("model.dtype=int8"))
     with pytest.raises(ConfigError, match="hub id"):
         run_training(micro_config("data=gsm8k", "data.source.hub_id=null"))
+
+
+class CrashAt(L.Callback):
+    """Kills training at a given step, as a crash would (built from the config: ``test_train.CrashAt``)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError("crash")
+
+
+def test_interrupted_run_leaves_a_usable_checkpoint(micro_config, tmp_path):
+    crashed = micro_config("trainer.max_steps=10", "trainer.val_check_interval=5",
+                           "+callbacks.crash._target_=test_train.CrashAt", "+callbacks.crash.step=7",
+                           output_dir=tmp_path / "crashed")
+    with pytest.raises(RuntimeError, match="crash"):
+        run_training(crashed)
+    ckpts = Path(crashed.paths.output_dir) / "checkpoints"
+    interrupted = ckpts / "interrupted.ckpt"
+    assert interrupted.is_file() and not list(ckpts.glob(".*")) and not list(ckpts.glob("*.tmp*"))
+    assert torch.load(interrupted, weights_only=True, map_location="cpu")["global_step"] == 7
+    assert not (Path(crashed.paths.output_dir) / "export").exists(), "no export of an unfinished run"
+
+    resumed = micro_config("trainer.max_steps=10", "trainer.val_check_interval=5", f"ckpt_path={interrupted}",
+                           output_dir=tmp_path / "resumed")
+    assert run_training(resumed)["global_step"] == 10
