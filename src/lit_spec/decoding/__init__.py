@@ -1,0 +1,8 @@
+"""The decoding engine: every method's speedup is measured with the same cache handling, masks, verification,
+counters and clock. ``generate(model, input_ids, method=NAME, **params)`` runs any registered decoder."""
+
+from lit_spec.decoding import ar  # noqa: F401  (registers "ar")
+from lit_spec.decoding.base import DECODERS, DecodeOutput, Decoder, generate
+from lit_spec.decoding.stats import DecodeStats
+
+__all__ = ["DECODERS", "DecodeOutput", "DecodeStats", "Decoder", "generate"]

@@ -1,0 +1,42 @@
+"""``ar``: autoregressive decoding with a KV cache, greedy or sampled — the baseline every speedup is measured
+against. One target forward per token, nothing else: as fast as a plain decode loop can be."""
+
+from __future__ import annotations
+
+import torch
+
+from lit_spec.decoding.base import Decoder, register
+from lit_spec.decoding.state import DecodeState
+from lit_spec.decoding.verify import logits_to_probs
+from lit_spec.errors import ConfigError
+
+
+@register("ar")
+class ARDecoder(Decoder):
+    def __init__(self, model, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, **kwargs):
+        super().__init__(model, **kwargs)
+        if temperature < 0:
+            raise ConfigError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
+        self.temperature, self.top_p = temperature, top_p
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator(device=model.device).manual_seed(seed)
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.temperature == 0:
+            return logits.argmax(-1)
+        probs = logits_to_probs(logits, self.temperature, self.top_p)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def _decode(self, state: DecodeState) -> None:
+        token = self.pick(state.prefill())
+        state.commit([[t] for t in token.tolist()], advance=[0] * token.size(0))
+        while not state.finished:
+            b = len(state.active)
+            # plain one-token steps: a 2D mask over the cache's valid positions, no holes to care about
+            out = self.model(input_ids=state.pending[:, None], position_ids=state.next_pos[:, None],
+                             attention_mask=torch.cat([state.past_valid, state.past_valid.new_ones(b, 1)], 1).long(),
+                             past_key_values=state.cache, use_cache=True)
+            state.past_valid = torch.cat([state.past_valid, state.past_valid.new_ones(b, 1)], 1)
+            token = self.pick(out.logits[:, -1])
+            state.commit([[t] for t in token.tolist()], advance=[1] * b)

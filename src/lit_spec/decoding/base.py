@@ -1,0 +1,78 @@
+"""The decoder interface and ``lit_spec.decoding.generate(model, input_ids, method=NAME, **params)``."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from lit_spec.decoding.state import DecodeState
+from lit_spec.decoding.stats import DecodeStats
+from lit_spec.errors import ConfigError
+
+DECODERS: dict[str, type["Decoder"]] = {}
+
+
+def register(name: str):
+    def wrap(cls):
+        cls.name = name
+        DECODERS[name] = cls
+        return cls
+
+    return wrap
+
+
+@dataclass
+class DecodeOutput:
+    sequences: torch.Tensor                 # [B, prompt + new], right-padded with the pad token
+    stats: DecodeStats
+    extras: dict = field(default_factory=dict)   # method-specific (e.g. Jacobi trajectories)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Decoder(ABC):
+    """One decoding method over a target model. Subclasses implement ``_decode(state)``."""
+
+    name = "decoder"
+
+    def __init__(self, model, pad_token_id: int | None = None):
+        self.model = model
+        cfg = model.generation_config if getattr(model, "generation_config", None) is not None else model.config
+        self.pad_token_id = pad_token_id if pad_token_id is not None else (
+            cfg.pad_token_id if cfg.pad_token_id is not None else model.config.eos_token_id)
+        if isinstance(self.pad_token_id, list):
+            self.pad_token_id = self.pad_token_id[0]
+        if self.pad_token_id is None:
+            self.pad_token_id = 0
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None,
+                 attention_mask: torch.Tensor | None = None) -> DecodeOutput:
+        """Decode ``input_ids`` [B, L] (left-padded when ``attention_mask`` marks padding) for up to
+        ``max_new_tokens``, stopping a row at ``eos_token_id``."""
+        state = DecodeState(self.model, input_ids, attention_mask, max_new_tokens, eos_token_id)
+        _sync(input_ids.device)
+        start = time.perf_counter()
+        extras = self._decode(state) or {}
+        _sync(input_ids.device)
+        state.stats.wall_time = time.perf_counter() - start
+        return DecodeOutput(state.sequences(self.pad_token_id), state.stats, extras)
+
+    @abstractmethod
+    def _decode(self, state: DecodeState) -> dict | None: ...
+
+
+def generate(model, input_ids: torch.Tensor, method: str = "ar", max_new_tokens: int = 128,
+             eos_token_id=None, attention_mask=None, **params) -> DecodeOutput:
+    """``generate(model, ids, method="jacobi", n_tokens=16, max_new_tokens=256)``: build the decoder and run it."""
+    if method not in DECODERS:
+        raise ConfigError(f"unknown decoding method {method!r}; available: {sorted(DECODERS)}")
+    decoder = DECODERS[method](model, **params)
+    return decoder.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                            attention_mask=attention_mask)

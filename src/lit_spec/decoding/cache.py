@@ -1,0 +1,46 @@
+"""The one module that touches transformers' KV cache objects (``DynamicCache`` and its layers).
+
+Everything else in ``lit_spec.decoding`` asks for these operations by meaning: roll back to an accepted prefix, keep
+selected entries of the last block (tree acceptance), select rows of a batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def new_cache(model) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def cache_length(cache: DynamicCache) -> int:
+    return cache.get_seq_length()
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    """Roll the cache back to its first ``length`` positions (``DynamicCache.crop`` takes a negative count)."""
+    extra = cache_length(cache) - length
+    if extra < 0:
+        raise ValueError(f"cannot crop a cache of {cache_length(cache)} positions to {length}")
+    if extra:
+        cache.crop(-extra)
+
+
+def keep_positions(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
+    """Keep positions ``[0, start)`` and then only ``start + keep`` (in that order), dropping the rest of the block.
+
+    Used after tree verification: the accepted path's entries are scattered in the verified block and are moved to
+    form a contiguous prefix. ``keep`` is a 1-D LongTensor of offsets into the block (same for every row).
+    """
+    index = torch.cat([torch.arange(start, device=keep.device), start + keep])
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))
+        layer.values = layer.values.index_select(-2, index.to(layer.values.device))
+
+
+def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep only the given batch rows (finished prompts leave a batched decode)."""
+    cache.batch_select_indices(rows)

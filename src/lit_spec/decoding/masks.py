@@ -1,0 +1,48 @@
+"""4D attention masks with explicit position ids, for every shape of block a decoder feeds the model.
+
+A block of ``q`` new tokens attends to (a) the valid positions of the cache (``past_valid``: padding and holes left
+by rejected tokens are False) and (b) the new tokens it may see (``visible``: [q, q] or [B, q, q] booleans). The
+result is the additive float mask transformers accepts with ``position_ids`` ([B, 1, q, past + q], 0 or -inf).
+Positions are ``start + depth``: tokens at the same depth (tree siblings, parallel branches) share a position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def causal(q: int, device=None) -> torch.Tensor:
+    """Each token sees itself and the tokens before it: a plain block (AR, speculative, Jacobi)."""
+    return torch.ones(q, q, dtype=torch.bool, device=device).tril()
+
+
+def from_parents(parents: list[int], device=None) -> torch.Tensor:
+    """Visibility of a token tree given each node's parent index (-1 for a root): a node sees its ancestors.
+
+    Covers trees (Medusa-style), several candidate branches sharing positions, and lookahead's n-gram branches.
+    """
+    q = len(parents)
+    visible = torch.eye(q, dtype=torch.bool, device=device)
+    for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError(f"parent {p} of node {i} must come before it")
+        if p >= 0:
+            visible[i] |= visible[p]
+    return visible
+
+
+def depths(parents: list[int]) -> list[int]:
+    out: list[int] = []
+    for p in parents:
+        out.append(0 if p < 0 else out[p] + 1)
+    return out
+
+
+def attention_mask(past_valid: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, q, P + q] additive mask from ``past_valid`` [B, P] and ``visible`` [q, q] or [B, q, q]."""
+    b, q = past_valid.size(0), visible.size(-1)
+    visible = visible.expand(b, q, q) if visible.dim() == 2 else visible
+    allowed = torch.cat([past_valid[:, None, :].expand(b, q, -1), visible], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]

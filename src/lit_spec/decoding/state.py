@@ -1,0 +1,135 @@
+"""The state every decoder shares: per-row committed tokens, the KV cache, which cache positions are valid.
+
+Convention: the cache holds every committed token but the last one, the *pending* token. Each target forward feeds
+a block whose first token is the pending one, followed by whatever the method proposes (draft tokens, a Jacobi guess,
+tree nodes); the logits at a block position predict the token after it. After verification the decoder commits the
+accepted tokens and marks which block positions stay in the cache; rejected ones become masked holes (batch) or are
+cropped away (when every row rejected them), so the cache always equals the cache of the accepted prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lit_spec.decoding import cache as kv
+from lit_spec.decoding.masks import attention_mask
+from lit_spec.decoding.stats import DecodeStats
+from lit_spec.errors import ConfigError
+
+
+class DecodeState:
+    def __init__(self, model, input_ids: torch.Tensor, attention_mask_2d: torch.Tensor | None,
+                 max_new_tokens: int, eos_token_id: int | list[int] | None):
+        if input_ids.dim() != 2 or input_ids.size(1) == 0:
+            raise ConfigError(f"input_ids must be a non-empty [batch, length] tensor, got shape {tuple(input_ids.shape)}")
+        if attention_mask_2d is None:
+            attention_mask_2d = torch.ones_like(input_ids)
+        if (attention_mask_2d.sum(-1) == 0).any():
+            raise ConfigError("a prompt in the batch is empty (its attention mask is all zeros)")
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={max_new_tokens}: must be at least 1")
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and input_ids.size(1) + max_new_tokens > limit:
+            raise ConfigError(f"prompt ({input_ids.size(1)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                              f"model's context of {limit} positions")
+        self.model = model
+        self.prompt, self.prompt_mask = input_ids, attention_mask_2d
+        self.max_new_tokens = max_new_tokens
+        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.eos = set(eos)
+        self.cache = kv.new_cache(model)
+        self.out: list[list[int]] = [[] for _ in range(input_ids.size(0))]
+        self.active = list(range(input_ids.size(0)))     # original row index of each row still in the batch
+        self.stats = DecodeStats()
+        self.past_valid = attention_mask_2d.bool()
+        self.next_pos = attention_mask_2d.sum(-1)          # position id of each active row's pending token
+        self.pending: torch.Tensor | None = None
+
+    # ---- forwards -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self) -> torch.Tensor:
+        """Run the prompts; returns the logits of their last position ([B, V]) to pick the first new token."""
+        mask = self.prompt_mask
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=self.prompt, attention_mask=mask, position_ids=position_ids,
+                         past_key_values=self.cache, use_cache=True)
+        self.next_pos = mask.sum(-1)
+        return out.logits[:, -1]
+
+    @torch.no_grad()
+    def forward(self, block: torch.Tensor, visible: torch.Tensor, depth: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed ``block`` [B, q] (``block[:, 0]`` the pending tokens) with block visibility ``visible``; returns logits
+        [B, q, V]. ``depth`` ([q] or [B, q]) gives positions relative to the pending token (default 0..q-1)."""
+        q = block.size(1)
+        if depth is None:
+            depth = torch.arange(q, device=block.device)
+        position_ids = self.next_pos[:, None] + depth
+        mask = attention_mask(self.past_valid, visible.to(block.device), self.dtype)
+        out = self.model(input_ids=block, attention_mask=mask, position_ids=position_ids,
+                         past_key_values=self.cache, use_cache=True)
+        self.past_valid = torch.cat([self.past_valid, torch.ones_like(block, dtype=torch.bool)], dim=1)
+        return out.logits
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    # ---- committing -----------------------------------------------------------------------------------------
+    def keep_block(self, q: int, keep: torch.Tensor) -> None:
+        """After a forward of ``q`` tokens: ``keep`` [B, q] says which of them stay in the cache (the pending token
+        and the accepted ones); the rest become holes, and trailing holes shared by all rows are cropped."""
+        self.past_valid[:, -q:] = keep
+        kept_any = self.past_valid.any(0)
+        last = int(kept_any.nonzero().max()) + 1 if kept_any.any() else 0
+        if last < self.past_valid.size(1):
+            kv.crop(self.cache, last)
+            self.past_valid = self.past_valid[:, :last]
+
+    def commit(self, tokens: list[list[int]], advance: list[int]) -> None:
+        """Append ``tokens[r]`` to active row r (cut at EOS / max_new_tokens); the last committed token becomes the
+        row's pending token. ``advance[r]``: how many of the row's positions entered the cache in this step."""
+        counts, pending = [], []
+        for r, new in enumerate(tokens):
+            row = self.out[self.active[r]]
+            room = self.max_new_tokens - len(row)
+            new = new[:room]
+            for i, t in enumerate(new):
+                if t in self.eos:
+                    new = new[: i + 1]
+                    break
+            row.extend(new)
+            counts.append(len(new))
+            pending.append(row[-1])
+        self.stats.commit(counts)
+        device = self.next_pos.device
+        self.next_pos = self.next_pos + torch.tensor(advance, device=device)
+        self.pending = torch.tensor(pending, device=device)
+        self._drop_finished()
+
+    def row_done(self, r: int) -> bool:
+        row = self.out[self.active[r]]
+        return len(row) >= self.max_new_tokens or (bool(row) and row[-1] in self.eos)
+
+    def _drop_finished(self) -> None:
+        keep = [r for r in range(len(self.active)) if not self.row_done(r)]
+        if len(keep) == len(self.active):
+            return
+        idx = torch.tensor(keep, device=self.next_pos.device, dtype=torch.long)
+        if keep:
+            kv.select_rows(self.cache, idx)
+        self.active = [self.active[r] for r in keep]
+        self.past_valid, self.next_pos = self.past_valid[idx], self.next_pos[idx]
+        self.pending = self.pending[idx]
+
+    @property
+    def finished(self) -> bool:
+        return not self.active
+
+    # ---- result ---------------------------------------------------------------------------------------------
+    def sequences(self, pad_token_id: int) -> torch.Tensor:
+        """Prompts followed by their new tokens, right-padded with ``pad_token_id`` (as ``model.generate`` returns)."""
+        width = max(len(o) for o in self.out)
+        new = torch.full((len(self.out), width), pad_token_id, dtype=self.prompt.dtype, device=self.prompt.device)
+        for r, o in enumerate(self.out):
+            new[r, : len(o)] = torch.tensor(o, dtype=self.prompt.dtype)
+        return torch.cat([self.prompt, new], dim=1)

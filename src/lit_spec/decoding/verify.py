@@ -1,0 +1,55 @@
+"""Verification: which proposed tokens the target accepts.
+
+Greedy (lossless): the longest prefix of the proposal that equals the target's own argmax, plus the target's next
+token. Sampling (temperature > 0): speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023), which
+leaves the target's distribution exactly unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_accept_length(proposal: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
+    """Accepted length per row: ``proposal`` [B, k] against the target's argmax at the positions before each
+    proposed token, ``target_tokens`` [B, >=k]. Counts leading matches."""
+    k = proposal.size(1)
+    match = (proposal == target_tokens[:, :k]).int()
+    return match.cumprod(dim=1).sum(dim=1)
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Softmax at ``temperature`` with optional nucleus (top-p) truncation, over the last dimension."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        cut = sorted_p.cumsum(-1) - sorted_p > top_p
+        sorted_p = sorted_p.masked_fill(cut, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                       generator: torch.Generator | None = None) -> tuple[int, int]:
+    """One row of speculative sampling.
+
+    ``draft_tokens`` [k] were sampled from ``draft_probs`` [k, V]; ``target_probs`` [k + 1, V] are the target's
+    distributions at the same positions plus the one after the last draft token. Token i is accepted with probability
+    min(1, p(x)/q(x)); at the first rejection a token is drawn from norm(max(0, p - q)); if all k are accepted the
+    next token is drawn from p at position k. Returns (number accepted, the extra token).
+    """
+    k = draft_tokens.size(0)
+    idx = torch.arange(k, device=draft_tokens.device)
+    p = target_probs[idx, draft_tokens]
+    q = draft_probs[idx, draft_tokens]
+    u = torch.rand(k, generator=generator, device=draft_tokens.device)
+    rejected = (u * q > p).nonzero()
+    if rejected.numel() == 0:
+        extra = torch.multinomial(target_probs[k], 1, generator=generator)
+        return k, int(extra)
+    n = int(rejected[0])
+    residual = (target_probs[n] - draft_probs[n]).clamp(min=0)
+    total = residual.sum()
+    residual = residual / total if total > 0 else target_probs[n]
+    return n, int(torch.multinomial(residual, 1, generator=generator))
