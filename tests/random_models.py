@@ -1,0 +1,60 @@
+"""Small random-initialised causal LMs of several architectures, and transformers' own greedy decode as reference.
+
+Every greedy decoder of ``lit_spec.decoding`` must reproduce ``reference_greedy`` token for token on each of them.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+ARCHS = ("llama", "qwen2", "mistral")
+VOCAB, PAD, BOS, EOS = 96, 0, 1, 2
+
+_CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "mistral": (MistralConfig, MistralForCausalLM)}
+
+
+def random_model(arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int = VOCAB):
+    """fp32, eval mode, sdpa attention. Weights scaled up so greedy outputs are varied (not one repeated token)."""
+    config_cls, model_cls = _CLASSES[arch]
+    config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False,
+                        attn_implementation="sdpa")
+    torch.manual_seed(seed * 10 + ARCHS.index(arch))  # different weights per architecture
+    model = model_cls(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+def random_prompts(batch: int, lengths: list[int] | None = None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of the given lengths (random tokens, BOS first) and their attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = lengths or [8] * batch
+    width = max(lengths)
+    ids = torch.full((batch, width), PAD, dtype=torch.long)
+    mask = torch.zeros((batch, width), dtype=torch.long)
+    for r, n in enumerate(lengths):
+        ids[r, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+        ids[r, width - n] = BOS
+        mask[r, width - n:] = 1
+    return ids, mask
+
+
+def reference_greedy(model, ids, mask, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
+    """transformers' own greedy ``generate`` (finished rows padded with PAD)."""
+    return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                          eos_token_id=eos_token_id, pad_token_id=PAD)
+
+
+def tokens_until_eos(row: torch.Tensor, prompt_len: int, eos: int | None) -> list[int]:
+    """The new tokens of one output row, through the first EOS (padding after it dropped)."""
+    new = row[prompt_len:].tolist()
+    if eos is not None and eos in new:
+        new = new[: new.index(eos) + 1]
+    return new
