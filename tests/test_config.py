@@ -17,6 +17,8 @@ from lit_spec.config import compose_config, config_dir
 
 CONF = config_dir()
 # groups whose option is chosen on the command line as group=option (experiment is appended: +experiment=name)
+# groups of another entry config than train.yaml (decoding belongs to bench.yaml; chosen as a list)
+PRIMARY = {"decoding": "bench"}
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in {"hydra", "experiment"})
 # a config that deliberately leaves a value for the user (model=hf: name_or_path is mandatory)
 MANDATORY = {("model", "hf"): {"model.name_or_path"}}
@@ -29,14 +31,15 @@ def _options(group: str) -> list[str]:
 
 
 def _cases() -> list:
-    cases = [pytest.param(f"{g}={o}", (g, o), id=f"{g}={o}") for g in GROUPS for o in _options(g)]
+    cases = [pytest.param(f"{g}=[{o}]" if g in PRIMARY else f"{g}={o}", (g, o), id=f"{g}={o}")
+             for g in GROUPS for o in _options(g)]
     cases += [pytest.param(f"+experiment={o}", ("experiment", o), id=f"experiment={o}")
               for o in _options("experiment")]
     return cases
 
 
-def _composed(override: str, output_dir: Path) -> DictConfig:
-    cfg = compose_config([override])
+def _composed(override: str, output_dir: Path, config_name: str = "train") -> DictConfig:
+    cfg = compose_config([override], config_name=config_name)
     with open_dict(cfg):
         cfg.paths.output_dir = str(output_dir)
     return cfg
@@ -98,7 +101,7 @@ def test_every_group_option_is_covered():
 @pytest.mark.parametrize("override, choice", _cases())
 def test_option_composes_resolves_and_targets_import(override, choice, tmp_path):
     group, option = choice
-    cfg = _composed(override, tmp_path)
+    cfg = _composed(override, tmp_path, PRIMARY.get(group, "train"))
 
     missing, failures = _resolve_all(cfg)
     assert not failures, "\n".join(failures)
@@ -123,6 +126,8 @@ def test_option_composes_resolves_and_targets_import(override, choice, tmp_path)
             assert cfg[group]._target_ == raw._target_
     elif group in {"logger", "callbacks"}:
         assert cfg[group], f"{override} composed an empty {group} group"
+    elif group == "decoding":
+        assert list(cfg.decoding) == [option] and cfg.decoding[option].method
 
 
 @pytest.mark.parametrize("option", _options("experiment"))
@@ -215,3 +220,12 @@ def test_ddp_strategies_build(name, start_method, tmp_path):
     assert isinstance(strategy, DDPStrategy)
     assert strategy._start_method == start_method
     assert strategy._ddp_kwargs == {"find_unused_parameters": False}
+
+
+def test_bench_default_composes_every_method_with_the_tiny_draft(tmp_path):
+    cfg = _composed("bench.num_prompts=3", tmp_path, "bench")
+    assert set(cfg.decoding) == {"jacobi", "lookahead", "speculative", "tree"}
+    assert cfg.decoding.speculative.needs_draft and cfg.draft.stage == "tiny_draft"
+    assert cfg.model.stage == "tiny_target" and cfg.bench.num_prompts == 3
+    missing, failures = _resolve_all(cfg)
+    assert not missing and not failures, (missing, failures)

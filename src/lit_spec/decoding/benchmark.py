@@ -1,0 +1,210 @@
+"""The benchmark behind ``python -m lit_spec.bench``: the same prompts, decoded one at a time by our AR baseline, the
+chosen methods and transformers' own ``generate`` peers, with warm-up; tokens/s, speedup vs our AR, τ, forwards and
+exact match (token-identical to our greedy AR) per method, written as bench.json, bench.md and bench.png."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from lit_spec.decoding.base import DECODERS, Decoder
+from lit_spec.decoding.stats import DecodeStats
+from lit_spec.errors import ConfigError
+from lit_spec.io import write_json
+
+log = logging.getLogger(__name__)
+
+HF_PEERS = {"generate": "hf_generate", "assisted": "hf_assisted", "prompt_lookup": "hf_prompt_lookup"}
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("bench.device=cuda but no CUDA GPU is visible: use bench.device=cpu")
+    return torch.device(name)
+
+
+def _load(spec_cfg: DictConfig, device: torch.device):
+    spec = instantiate(spec_cfg, _convert_="all")
+    spec.prepare()
+    spec.validate()
+    model = spec.load_model().to(device).eval()
+    return spec, model
+
+
+def load_prompts(cfg: DictConfig, tokenizer) -> list[torch.Tensor]:
+    """The first ``bench.num_prompts`` prompts (token ids) of ``bench.split`` of the ``data`` config."""
+    datamodule = instantiate(cfg.data, _partial_=True, _convert_="all")(tokenizer=tokenizer)
+    datamodule.setup("test")
+    split = datamodule.splits[cfg.bench.split]
+    if len(split) == 0:
+        raise ConfigError(f"bench.split={cfg.bench.split}: that split of the data is empty")
+    n = min(cfg.bench.num_prompts, len(split))
+    return [torch.tensor(split[i]["prompt_ids"])[None] for i in range(n)]
+
+
+def _new_tokens(sequence: torch.Tensor, prompt_len: int, eos: int | None) -> list[int]:
+    new = sequence[0, prompt_len:].tolist()
+    if eos is not None and eos in new:
+        new = new[: new.index(eos) + 1]
+    return new
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class HFPeer:
+    """transformers' ``generate`` in one of its modes, timed like our decoders (stats: tokens and wall time)."""
+
+    def __init__(self, mode: str, model, draft, tokenizer, bench: DictConfig):
+        self.name, self.model = HF_PEERS[mode], model
+        self.kwargs = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+        if mode == "assisted":
+            if draft is None:
+                raise ConfigError("bench.hf_peers has 'assisted' but no draft model is configured (draft=null)")
+            # a fixed number of draft tokens, like our speculative decoder's gamma (no adaptive schedule/threshold)
+            draft.generation_config.num_assistant_tokens = bench.assistant_tokens
+            draft.generation_config.num_assistant_tokens_schedule = "constant"
+            draft.generation_config.assistant_confidence_threshold = 0.0
+            self.kwargs["assistant_model"] = draft
+        elif mode == "prompt_lookup":
+            self.kwargs["prompt_lookup_num_tokens"] = bench.prompt_lookup_tokens
+
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None):
+        _sync(ids.device)
+        start = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  eos_token_id=eos_token_id, **self.kwargs)
+        _sync(ids.device)
+        stats = DecodeStats(wall_time=time.perf_counter() - start)
+        stats.new_tokens = len(_new_tokens(out, ids.size(1), eos_token_id))
+        return out, stats
+
+
+def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
+    """Name -> object with ``generate(ids, max_new_tokens, eos_token_id)``: our AR first, then the methods, then
+    transformers' peers."""
+    runners: dict = {"ar": DECODERS["ar"](model, pad_token_id=tokenizer.pad_token_id)}
+    for name, params in (cfg.get("decoding") or {}).items():
+        params = OmegaConf.to_container(params, resolve=True)
+        method = params.pop("method", name)
+        needs_draft = params.pop("needs_draft", False)
+        if method not in DECODERS:
+            raise ConfigError(f"decoding.{name}: method {method!r} is not available (have {sorted(DECODERS)})")
+        if needs_draft:
+            if draft is None:
+                raise ConfigError(f"decoding.{name} needs a draft model; set draft=... (a model config)")
+            params["draft_model"] = draft
+        if cfg.bench.temperature > 0:
+            params.update(temperature=cfg.bench.temperature, seed=cfg.seed)
+        runners[name] = DECODERS[method](model, pad_token_id=tokenizer.pad_token_id, **params)
+    for mode in cfg.bench.hf_peers or []:
+        if mode not in HF_PEERS:
+            raise ConfigError(f"bench.hf_peers: unknown {mode!r}; choose from {sorted(HF_PEERS)}")
+        if mode == "assisted" and draft is None:
+            continue
+        runners[HF_PEERS[mode]] = HFPeer(mode, model, draft, tokenizer, cfg.bench)
+    return runners
+
+
+def _decode(runner, ids, max_new_tokens, eos):
+    if isinstance(runner, Decoder):
+        out = runner.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
+        return out.sequences, out.stats
+    return runner.generate(ids, max_new_tokens, eos)
+
+
+def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
+    torch.manual_seed(cfg.seed)
+    device = _device(cfg.bench.device)
+    spec, model = _load(cfg.model, device)
+    tokenizer = spec.load_tokenizer()
+    draft = None
+    if cfg.get("draft") is not None:
+        _, draft = _load(cfg.draft, device)
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise ConfigError(f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
+                              f"({model.config.vocab_size}): pick a draft that shares the target's tokenizer")
+    prompts = [p.to(device) for p in load_prompts(cfg, tokenizer)]
+    eos, max_new = tokenizer.eos_token_id, cfg.bench.max_new_tokens
+    runners = build_runners(cfg, model, draft, tokenizer)
+
+    for name, runner in runners.items():  # warm-up: kernels, allocator, caches
+        for ids in prompts[: cfg.bench.warmup_prompts]:
+            _decode(runner, ids, max_new, eos)
+
+    totals = {name: DecodeStats() for name in runners}
+    outputs: dict[str, list[list[int]]] = {name: [] for name in runners}
+    with tqdm(total=len(prompts) * len(runners), desc="bench", unit="decode") as bar:
+        for ids in prompts:  # methods interleaved per prompt: slow drifts of the machine hit all alike
+            for name, runner in runners.items():
+                seq, stats = _decode(runner, ids, max_new, eos)
+                totals[name] = totals[name] + stats
+                outputs[name].append(_new_tokens(seq, ids.size(1), eos))
+                bar.set_postfix(method=name, tok_s=f"{stats.tokens_per_s:.0f}")
+                bar.update()
+
+    base = totals["ar"].tokens_per_s
+    results = {"model": spec.name_or_path, "device": str(device), "num_prompts": len(prompts),
+               "max_new_tokens": max_new, "temperature": cfg.bench.temperature, "methods": {}}
+    for name, stats in totals.items():
+        exact = sum(o == a for o, a in zip(outputs[name], outputs["ar"])) / len(prompts)
+        results["methods"][name] = {
+            "tokens_per_s": stats.tokens_per_s, "speedup": stats.tokens_per_s / base if base else 0.0,
+            "mean_accepted": stats.mean_accepted if stats.row_forwards else None,
+            "target_forwards": stats.target_forwards if stats.target_forwards else None,
+            "draft_forwards": stats.draft_forwards, "new_tokens": stats.new_tokens, "wall_time": stats.wall_time,
+            "acceptance_rate": stats.acceptance_rate if stats.drafted_tokens else None,
+            "fast_forwarded": stats.fast_forwarded, "stationary": stats.stationary, "exact_match": exact,
+        }
+    write_report(results, out_dir)
+    return results
+
+
+def markdown_table(results: dict) -> str:
+    head = ("| method | tokens/s | speedup vs our AR | τ (mean accepted) | target forwards | new tokens | "
+            "exact match |\n|---|---|---|---|---|---|---|\n")
+
+    def fmt(v, spec):
+        return "–" if v is None else format(v, spec)
+
+    rows = [f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}× | {fmt(m['mean_accepted'], '.2f')} | "
+            f"{fmt(m['target_forwards'], 'd')} | {m['new_tokens']} | {m['exact_match']:.2f} |"
+            for name, m in results["methods"].items()]
+    return head + "\n".join(rows) + "\n"
+
+
+def write_report(results: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "bench.json", results)
+    (out_dir / "bench.md").write_text(
+        f"{results['num_prompts']} prompts, max_new_tokens={results['max_new_tokens']}, "
+        f"temperature={results['temperature']}, device {results['device']}, model `{results['model']}`\n\n"
+        + markdown_table(results))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["methods"])
+    speedups = [results["methods"][n]["speedup"] for n in names]
+    fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 3.5))
+    bars = ax.bar(names, speedups, color=["#888" if n.startswith("hf_") or n == "ar" else "#3a7" for n in names])
+    ax.bar_label(bars, fmt="%.2f×")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("speedup vs our AR (tokens/s)")
+    ax.set_title(f"{results['num_prompts']} prompts · {results['device']}")
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(out_dir / "bench.png", dpi=120)
+    plt.close(fig)
