@@ -5,6 +5,8 @@ Every greedy decoder of ``lit_spec.decoding`` must reproduce ``reference_greedy`
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
@@ -58,3 +60,24 @@ def tokens_until_eos(row: torch.Tensor, prompt_len: int, eos: int | None) -> lis
     if eos is not None and eos in new:
         new = new[: new.index(eos) + 1]
     return new
+
+
+def noisy_copy(model, scale: float, seed: int = 0):
+    """The model with small Gaussian weight noise: a draft that agrees with it often but not always."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=g) * scale)
+    return draft
+
+
+def assert_same_cache(cache, model, ids: list[int], atol: float = 1e-4) -> None:
+    """``cache`` holds exactly the keys/values of running ``ids`` (one row, no padding) through ``model`` afresh."""
+    with torch.no_grad():
+        direct = model(torch.tensor([ids]), use_cache=True).past_key_values
+    assert cache.get_seq_length() == len(ids)
+    for got, want in zip(cache.layers, direct.layers):
+        torch.testing.assert_close(got.keys, want.keys, atol=atol, rtol=atol)
+        torch.testing.assert_close(got.values, want.values, atol=atol, rtol=atol)

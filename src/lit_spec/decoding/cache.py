@@ -37,8 +37,12 @@ def keep_positions(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
+        if getattr(layer, "is_sliding", False) and layer.get_seq_length() >= layer.sliding_window:
+            raise NotImplementedError("keep_positions on a sliding-window layer that has dropped old positions")
         layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))
         layer.values = layer.values.index_select(-2, index.to(layer.values.device))
+        if hasattr(layer, "cumulative_length"):    # sliding-window layers (Mistral) count their length themselves
+            layer.cumulative_length = layer.keys.shape[-2]
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:

@@ -85,6 +85,19 @@ class DecodeState:
             kv.crop(self.cache, last)
             self.past_valid = self.past_valid[:, :last]
 
+    def keep_path(self, q: int, keep: torch.Tensor) -> None:
+        """After a forward of ``q`` tokens (batch size 1, tree verification): keep only the block offsets ``keep``
+        (1-D, increasing: the pending token and the accepted path), moved to a contiguous run after the past."""
+        start = self.past_valid.size(1) - q
+        kv.keep_positions(self.cache, start, keep)
+        self.past_valid = torch.cat([self.past_valid[:, :start],
+                                     self.past_valid.new_ones(self.past_valid.size(0), keep.numel())], dim=1)
+
+    def require_single_row(self, method: str) -> None:
+        if self.prompt.size(0) != 1:
+            raise ConfigError(f"decoding method {method!r} supports batch size 1 only, got {self.prompt.size(0)} "
+                              "prompts: decode them one at a time")
+
     def commit(self, tokens: list[list[int]], advance: list[int]) -> None:
         """Append ``tokens[r]`` to active row r (cut at EOS / max_new_tokens); the last committed token becomes the
         row's pending token. ``advance[r]``: how many of the row's positions entered the cache in this step."""

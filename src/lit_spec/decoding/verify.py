@@ -53,3 +53,26 @@ def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, ta
     total = residual.sum()
     residual = residual / total if total > 0 else target_probs[n]
     return n, int(torch.multinomial(residual, 1, generator=generator))
+
+
+def tree_accept_path(parents: list[int], tokens: list[int], target_tokens: list[int]) -> list[int]:
+    """Greedy acceptance over a verified token tree (one row).
+
+    Block position 0 is the pending token (the root, ``parents[0] == -1``); every other position's parent comes
+    before it. ``target_tokens[i]`` is the target's argmax at position i. A node is correct when its token equals
+    the target's argmax at its parent and its parent is correct; returns the block positions of the longest correct
+    root-to-node path (root excluded, first such node in block order on ties). The target's argmax at its last
+    position is the extra token committed after it.
+    """
+    ok, depth, best = [True] + [False] * (len(parents) - 1), [0] * len(parents), 0
+    for i in range(1, len(parents)):
+        p = parents[i]
+        if ok[p] and tokens[i] == target_tokens[p]:
+            ok[i], depth[i] = True, depth[p] + 1
+            if depth[i] > depth[best]:
+                best = i
+    path = []
+    while best > 0:
+        path.append(best)
+        best = parents[best]
+    return path[::-1]

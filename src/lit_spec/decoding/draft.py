@@ -1,0 +1,94 @@
+"""A draft model's own KV cache following one row's committed tokens (batch size 1): the token source of speculative
+decoding and the default candidate source of tree verification.
+
+The cache holds ``ids``: a prefix of the committed sequence (prompt + new tokens) followed by the last round's
+drafts. ``propose`` rolls it back to the part that is still committed (``cache.crop``), feeds the committed tokens
+it has not seen yet as one block, then drafts autoregressively, one draft forward per token. So the draft's cache
+always equals the cache of the tokens it holds, and the prompt is read once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from lit_spec.decoding import cache as kv
+from lit_spec.errors import ConfigError
+
+
+def vocab_size(model) -> int:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return int(weight.size(0)) if weight is not None else int(model.config.vocab_size)
+
+
+def check_draft(target, draft, method: str) -> None:
+    """A draft must exist and score the target's vocabulary (its tokens are fed to the target as they are)."""
+    if draft is None:
+        raise ConfigError(f"decoding method {method!r} needs a draft_model")
+    tv, dv = vocab_size(target), vocab_size(draft)
+    if tv != dv:
+        raise ConfigError(f"{method}: draft vocabulary ({dv} tokens) differs from the target's ({tv}); the draft must "
+                          "share the target's tokenizer")
+
+
+def check_context(draft_model, state, method: str) -> None:
+    limit = getattr(draft_model.config, "max_position_embeddings", None)
+    need = state.prompt.size(1) + state.max_new_tokens
+    if limit is not None and need > limit:
+        raise ConfigError(f"{method}: prompt + max_new_tokens ({need}) exceeds the draft model's context of {limit}")
+
+
+class DraftRunner:
+    def __init__(self, model):
+        self.model = model
+        self.cache = kv.new_cache(model)
+        self.ids: list[int] = []       # tokens whose keys/values are in the cache, in order
+        self.committed = 0             # ids[:committed] are known to be committed (never rolled back)
+        self.forwards = 0              # draft model calls
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _forward(self, tokens: list[int]) -> torch.Tensor:
+        start, device = len(self.ids), self.device
+        out = self.model(input_ids=torch.tensor([tokens], device=device),
+                         position_ids=torch.arange(start, start + len(tokens), device=device)[None],
+                         attention_mask=torch.ones(1, start + len(tokens), dtype=torch.long, device=device),
+                         past_key_values=self.cache, use_cache=True)
+        self.ids.extend(tokens)
+        self.forwards += 1
+        return out.logits[0, -1]
+
+    def sync(self, sequence: list[int]) -> int:
+        """Roll the cache back to the longest prefix of ``sequence`` it holds (leaving at least one token to feed)."""
+        n = min(self.committed, len(self.ids))
+        limit = min(len(self.ids), len(sequence) - 1)
+        while n < limit and self.ids[n] == sequence[n]:
+            n += 1
+        n = min(n, limit)
+        kv.crop(self.cache, n)
+        del self.ids[n:]
+        self.committed = len(sequence)
+        return n
+
+    @torch.no_grad()
+    def propose(self, sequence: list[int], n: int,
+                choose: Callable[[torch.Tensor], int]) -> tuple[list[int], torch.Tensor]:
+        """Draft ``n`` tokens after ``sequence`` (prompt + committed tokens, the pending one last).
+
+        ``choose(logits [V]) -> token`` picks each draft token (argmax, or a sample). Returns the tokens and the
+        draft's logits [n, V] at each drafted position (the distribution each token was chosen from)."""
+        if n < 1:
+            return [], torch.empty(0, vocab_size(self.model), device=self.device)
+        start = self.sync(sequence)
+        logits = self._forward(sequence[start:])
+        tokens, scores = [], [logits]
+        for i in range(n):
+            tokens.append(int(choose(logits)))
+            if i < n - 1:
+                logits = self._forward(tokens[-1:])
+                scores.append(logits)
+        return tokens, torch.stack(scores)

@@ -1,0 +1,71 @@
+"""``speculative``: a draft model proposes ``gamma`` tokens, the target verifies them in one forward (Leviathan et al.
+2023, Chen et al. 2023). Greedy (temperature 0) is lossless: the output equals the target's greedy decode. Sampling
+(temperature > 0, optional top_p) uses rejection sampling, which leaves the target's distribution exactly unchanged.
+
+Target and draft keep their own KV caches (``DecodeState`` and ``DraftRunner``); after each verification both are
+rolled back to the accepted prefix. Batch size 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lit_spec.decoding.base import Decoder, register
+from lit_spec.decoding.draft import DraftRunner, check_context, check_draft
+from lit_spec.decoding.masks import causal
+from lit_spec.decoding.state import DecodeState
+from lit_spec.decoding.verify import greedy_accept_length, logits_to_probs, speculative_accept
+from lit_spec.errors import ConfigError
+
+
+@register("speculative")
+class SpeculativeDecoder(Decoder):
+    def __init__(self, model, draft_model=None, gamma: int = 4, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None, **kwargs):
+        super().__init__(model, **kwargs)
+        check_draft(model, draft_model, "speculative")
+        if int(gamma) != gamma or gamma < 1:
+            raise ConfigError(f"gamma={gamma}: the number of draft tokens per step must be an integer >= 1")
+        if temperature < 0:
+            raise ConfigError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"top_p={top_p}: must be in (0, 1]")
+        self.draft_model, self.gamma = draft_model, int(gamma)
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The token drawn from ``logits`` [V]: argmax, or a sample at temperature/top_p (target and draft alike)."""
+        if self.temperature == 0:
+            return int(logits.argmax(-1))
+        probs = logits_to_probs(logits, self.temperature, self.top_p)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def _decode(self, state: DecodeState) -> None:
+        state.require_single_row(self.name)
+        check_context(self.draft_model, state, self.name)
+        draft = DraftRunner(self.draft_model)
+        prompt = state.prompt[0][state.prompt_mask[0].bool()].tolist()
+        state.commit([[self.pick(state.prefill()[0])]], advance=[0])
+        device = state.pending.device
+        while not state.finished:
+            # never draft beyond what can still be committed (n accepted + 1 extra <= room)
+            gamma = min(self.gamma, state.max_new_tokens - len(state.out[0]) - 1)
+            forwards = draft.forwards
+            drafts, draft_logits = draft.propose(prompt + state.out[0], gamma, self.pick)
+            block = torch.tensor([[int(state.pending[0])] + drafts], device=device)
+            logits = state.forward(block, causal(gamma + 1, device))[0]          # [gamma + 1, V]
+            if self.temperature == 0:
+                target = logits.argmax(-1)
+                n = int(greedy_accept_length(block[:, 1:], target[None])) if gamma else 0
+                extra = int(target[n])
+            else:
+                n, extra = speculative_accept(
+                    block[0, 1:], logits_to_probs(draft_logits, self.temperature, self.top_p),
+                    logits_to_probs(logits, self.temperature, self.top_p), self.generator)
+            state.keep_block(gamma + 1, (torch.arange(gamma + 1, device=device) <= n)[None])
+            stats = state.stats
+            stats.draft_forwards += draft.forwards - forwards
+            stats.drafted_tokens += gamma
+            stats.accepted_tokens += n
+            state.commit([drafts[:n] + [extra]], advance=[n + 1])
