@@ -117,6 +117,16 @@ class TreeSpec:
         """Parents within the verified block [pending token, nodes...]: the pending token is the root."""
         return [-1] + [p + 1 for p in self.parents]
 
+    @cached_property
+    def block_visible(self) -> torch.Tensor:
+        """[1 + nodes]^2 visibility of the verified block (a node sees the pending token and its ancestors)."""
+        return from_parents(self.block_parents)
+
+    @cached_property
+    def block_depths(self) -> torch.Tensor:
+        """Position offsets of the verified block from the pending token: 0, then each node's depth."""
+        return torch.tensor([0] + self.depths)
+
     def truncated(self, depth: int) -> "TreeSpec":
         """The nodes at depth <= ``depth`` (still a tree: ancestors are shallower)."""
         return TreeSpec(tuple(p for p in self.paths if len(p) <= depth))
@@ -145,11 +155,9 @@ def verify_tree(state: DecodeState, spec: TreeSpec, tree_tokens: torch.Tensor) -
     its tokens plus the target's next one, and counts drafted (tree depth) / accepted tokens."""
     device = state.pending.device
     block = torch.cat([state.pending[:1], tree_tokens.to(device)])[None]
-    parents = spec.block_parents
-    depth = torch.tensor([0] + spec.depths, device=device)
-    logits = state.forward(block, from_parents(parents, device), depth)[0]
+    logits = state.forward(block, spec.block_visible.to(device), spec.block_depths.to(device))[0]
     target = logits.argmax(-1).tolist()
-    path = tree_accept_path(parents, block[0].tolist(), target)
+    path = tree_accept_path(spec.block_parents, block[0].tolist(), target)
     last = path[-1] if path else 0
     tokens = [int(block[0, i]) for i in path] + [target[last]]
     state.keep_path(block.size(1), torch.tensor([0] + path, device=device))
@@ -197,7 +205,9 @@ class TreeDecoder(Decoder):
         specs: dict[int, TreeSpec] = {}
         while not state.finished:
             room = state.max_new_tokens - len(state.out[0]) - 1   # a path longer than this could not be committed
-            spec = self.spec if room >= self.spec.depth else specs.setdefault(room, self.spec.truncated(room))
+            if room < self.spec.depth and room not in specs:
+                specs[room] = self.spec.truncated(room)
+            spec = self.spec if room >= self.spec.depth else specs[room]
             top_k = candidates(state, spec.depth, spec.top_k) if len(spec) else None
             verify_tree(state, spec, spec.build_candidates(top_k) if top_k is not None
                         else state.pending.new_empty(0))
