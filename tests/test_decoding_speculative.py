@@ -202,3 +202,16 @@ def test_errors(models):
     with pytest.raises(ConfigError, match="draft model's context"):
         generate(target, ids, "speculative", max_new_tokens=20, draft_model=short)
 
+
+
+@pytest.mark.parametrize("method,params", [("speculative", {"gamma": 3}), ("tree", {"tree": [2, 2, 1]})])
+def test_left_padded_prompt(models, method, params):
+    """A batch-1 prompt with left padding: the target skips the padding through its mask, the draft reads only the
+    real tokens, at the same positions; the output still equals ``model.generate``."""
+    target = models["llama"]
+    ids, mask = random_prompts(2, [4, 9], seed=21)
+    ids, mask = ids[:1], mask[:1]                     # 5 pad tokens, then 4 real ones
+    ref = reference_greedy(target, ids, mask, 18)
+    out = generate(target, ids, method, max_new_tokens=18, attention_mask=mask, draft_model=noisy_copy(target, 0.01),
+                   **params)
+    assert torch.equal(out.sequences, ref) and out.stats.accepted_tokens > 0
