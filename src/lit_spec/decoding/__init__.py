@@ -2,6 +2,8 @@
 counters and clock. ``generate(model, input_ids, method=NAME, **params)`` runs any registered decoder."""
 
 from lit_spec.decoding import ar  # noqa: F401  (registers "ar")
+from lit_spec.decoding import jacobi  # noqa: F401  (registers "jacobi")
+from lit_spec.decoding import lookahead  # noqa: F401  (registers "lookahead")
 from lit_spec.decoding import speculative  # noqa: F401  (registers "speculative")
 from lit_spec.decoding import tree  # noqa: F401  (registers "tree")
 from lit_spec.decoding.base import DECODERS, DecodeOutput, Decoder, generate

@@ -1,0 +1,231 @@
+"""``jacobi``: Jacobi fixed-point decoding of n-token blocks with a KV cache (CLLM, Kou et al. 2024, §3.1, Alg. 3).
+
+The output is cut into consecutive blocks of ``n_tokens`` tokens (output positions [0, n), [n, 2n), ...; the last block
+is shorter when ``max_new_tokens`` is not a multiple of n). A block's *state* is a guess of all its n tokens; one Jacobi
+iteration is one target forward of [pending token, the state's not-yet-fixed tokens but the last] under a causal mask,
+and its argmax at every position is the next state (CLLM eq. 3). With the KV cache (Algorithm 3) the leading tokens of
+the new state that are known to be correct are *fixed*: the target's token after the pending one always, plus one more
+for every guess that equalled the target's own prediction at its position (``greedy_accept_length``). Fixed tokens
+are committed and their KV entries kept; the entries of the false guesses are dropped (holes in a batch, cropped when
+every row dropped them), so the next iteration feeds only the remaining tokens: the state shrinks by at least one token
+per forward, and the fixed point equals greedy AR decoding token for token.
+
+The first block's first token comes from the prefill (Algorithm 3, line 4); every other token of a block starts as a
+guess, made by ``init``: ``prefix`` (uniform random tokens of the row's prompt and output so far: CLLM's "random
+tokens from x"), ``random`` (uniform over the vocabulary), ``pad`` (``init_token``, default the pad token) or
+``repeat_last`` (the last committed token). Random guesses come from a ``torch.Generator`` seeded with ``seed`` at the
+start of every ``generate`` call, so a decode is reproducible.
+
+Batches: every row runs its own blocks and converges on its own; the forward block is right-padded to the longest
+row's, and padding never enters the cache.
+
+``return_trajectory=True`` puts the Jacobi trajectories in ``DecodeOutput.extras["trajectories"]`` (what CLLM's data
+collection, Algorithm 1, stores): per prompt a list of blocks, each a list of states (lists of token ids) from the
+initial guess to the fixed point, consecutive states distinct; the fixed points concatenated are the row's output.
+A block cut short by EOS or ``max_new_tokens`` is reported with its states cut to the tokens that were output.
+
+Counters (``DecodeStats``; the prefill is a target forward that commits one token, as for AR):
+- ``fast_forwarded``: tokens committed by a Jacobi iteration beyond the one it always fixes (CLLM §3.3 "fast
+  forwarding"). The paper's Table 3 figure, which counts that one token too, is ``extras["fast_forward_count"]``:
+  tokens committed per Jacobi iteration.
+- ``stationary``: tokens that some iteration predicted correctly while a token before them in the block was still
+  wrong, and that stayed unchanged until the block's fixed point (CLLM §3.3 "stationary tokens"); per block in
+  ``extras["stationary_count"]`` (Table 3). Counted from the trajectory (``stationary_tokens``).
+- ``drafted_tokens`` / ``accepted_tokens``: guess tokens fed / guess tokens committed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lit_spec.decoding.base import Decoder, register
+from lit_spec.decoding.masks import causal
+from lit_spec.decoding.state import DecodeState
+from lit_spec.decoding.verify import greedy_accept_length
+from lit_spec.errors import ConfigError
+
+INITS = ("prefix", "random", "pad", "repeat_last")
+
+
+def check_count(name: str, value, minimum: int = 1) -> int:
+    """An integer hyperparameter >= ``minimum`` (bools and non-integral floats refused), or a ConfigError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < minimum:
+        raise ConfigError(f"{name}={value!r}: must be an integer >= {minimum}")
+    return int(value)
+
+
+def vocab_size(model) -> int:
+    return int(model.get_output_embeddings().weight.size(0))
+
+
+class GuessMaker:
+    """Initial guesses of tokens not decoded yet (shared by ``jacobi`` and ``lookahead``)."""
+
+    def __init__(self, model, init: str, init_token: int | None, pad_token_id: int, seed: int | None):
+        if init not in INITS:
+            raise ConfigError(f"init={init!r}: choose one of {list(INITS)}")
+        self.vocab = vocab_size(model)
+        self.token = pad_token_id if init_token is None else init_token
+        if isinstance(self.token, bool) or not isinstance(self.token, int) or not 0 <= self.token < self.vocab:
+            raise ConfigError(f"init_token={init_token!r}: must be a token id in [0, {self.vocab})")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ConfigError(f"seed={seed!r}: must be an integer (or null for 0)")
+        self.init, self.seed = init, 0 if seed is None else seed
+        self.generator = torch.Generator()
+
+    def reset(self) -> None:
+        self.generator.manual_seed(self.seed)
+
+    def __call__(self, context: list[int], size: int) -> list[int]:
+        """``size`` guesses for the tokens after ``context`` (the row's prompt and output so far)."""
+        if size <= 0:
+            return []
+        if self.init == "pad":
+            return [self.token] * size
+        if self.init == "repeat_last":
+            return [context[-1]] * size
+        if self.init == "random":
+            return torch.randint(self.vocab, (size,), generator=self.generator).tolist()
+        picks = torch.randint(len(context), (size,), generator=self.generator).tolist()
+        return [context[i] for i in picks]
+
+
+def correct_prefix(state: list[int], fixed_point: list[int]) -> int:
+    n = 0
+    while n < len(fixed_point) and state[n] == fixed_point[n]:
+        n += 1
+    return n
+
+
+def stationary_tokens(states: list[list[int]], fixed_point: list[int]) -> int:
+    """CLLM §3.3: positions that a predicted state (not the initial guess) got right while an earlier position of the
+    same state was wrong, and that kept that token in every later state. ``states`` is a Jacobi trajectory from the
+    initial guess to ``fixed_point`` (consecutive states distinct)."""
+    prefix = [correct_prefix(s, fixed_point) for s in states]
+    count = 0
+    for i, token in enumerate(fixed_point):
+        start = len(states)              # first state of the final run of states that have ``token`` at i
+        while start > 0 and states[start - 1][i] == token:
+            start -= 1
+        first = max(start, 1)            # the initial guess is not a prediction
+        if first < len(states) and prefix[first] < i:
+            count += 1
+    return count
+
+
+@dataclass
+class _Block:
+    start: int                         # output index of the block's first token
+    tokens: list[int]                  # current state: n (or fewer, at the end) tokens
+    fixed: int                         # leading tokens of the state known correct (committed)
+    states: list[list[int]] = field(default_factory=list)   # every state since the initial guess
+
+
+@register("jacobi")
+class JacobiDecoder(Decoder):
+    def __init__(self, model, n_tokens: int = 16, init: str = "prefix", init_token: int | None = None,
+                 seed: int | None = 0, return_trajectory: bool = False, temperature: float = 0.0, **kwargs):
+        super().__init__(model, **kwargs)
+        self.n_tokens = check_count("n_tokens", n_tokens)
+        if temperature != 0:
+            raise ConfigError(f"jacobi: temperature={temperature}; Jacobi decoding is greedy only (temperature 0)")
+        self.guess = GuessMaker(model, init, init_token, self.pad_token_id, seed)
+        self.return_trajectory = bool(return_trajectory)
+
+    def initial_guess(self, context: list[int], size: int) -> list[int]:
+        """Guesses for the ``size`` tokens after ``context`` (the row's prompt and output so far): ``init``'s; a
+        subclass may guess otherwise (any guess gives the same output, only the number of forwards changes)."""
+        return self.guess(context, size)
+
+    def _decode(self, state: DecodeState) -> dict:
+        self.guess.reset()
+        batch = state.prompt.size(0)
+        prompts = [state.prompt[r][state.prompt_mask[r].bool()].tolist() for r in range(batch)]
+        trajectories: list[list[list[list[int]]]] = [[] for _ in range(batch)]
+        counts = {"iterations": 0, "blocks": 0}
+        blocks: dict[int, _Block] = {}
+
+        def open_block(row: int, first: bool) -> None:
+            out = state.out[row]
+            start = len(out) - 1 if first else len(out)
+            size = min(self.n_tokens, state.max_new_tokens - start)
+            known = out[start:]
+            tokens = known + self.initial_guess(prompts[row] + out, size - len(known))
+            blocks[row] = _Block(start, tokens, len(known), [list(tokens)])
+
+        def close_block(row: int) -> None:
+            block = blocks.pop(row)
+            fixed_point = state.out[row][block.start:]
+            states: list[list[int]] = []
+            for s in block.states:           # cut to the tokens output (EOS / max_new_tokens); drop repeats
+                if not states or s[: len(fixed_point)] != states[-1]:
+                    states.append(s[: len(fixed_point)])
+            if states[-1] != fixed_point:
+                raise RuntimeError(f"jacobi: block did not end at its fixed point ({states[-1]} vs {fixed_point})")
+            state.stats.stationary += stationary_tokens(states, fixed_point)
+            counts["blocks"] += 1
+            trajectories[row].append(states)
+
+        def advance(rows: list[int]) -> None:
+            """After a commit: close blocks that are complete or whose row finished, open the next ones."""
+            active = set(state.active)
+            for row in rows:
+                block = blocks[row]
+                if row not in active or block.fixed >= len(block.tokens):
+                    close_block(row)
+                    if row in active:
+                        open_block(row, first=False)
+
+        first = state.prefill().argmax(-1).tolist()
+        rows = list(state.active)
+        state.commit([[t] for t in first], advance=[0] * batch)
+        for row in rows:
+            open_block(row, first=True)
+        advance(rows)
+
+        device = state.prompt.device
+        while not state.finished:
+            rows = list(state.active)
+            inputs = []
+            for row in rows:     # [pending token (the row's last output), the block's unfixed guesses but the last]
+                block = blocks[row]
+                inputs.append(state.out[row][-1:] + block.tokens[block.fixed: len(block.tokens) - 1])
+            lengths = torch.tensor([len(x) for x in inputs], device=device)
+            q = max(len(x) for x in inputs)
+            ids = torch.tensor([x + [self.pad_token_id] * (q - len(x)) for x in inputs], device=device)
+            slots = torch.arange(q, device=device)[None]
+            real = slots < lengths[:, None]
+            # right padding of shorter rows: after every real token (causal: never seen), at depth 0, never kept
+            predicted = state.forward(ids, causal(q, device), torch.where(real, slots, 0)).argmax(-1)
+            guesses = torch.where(real[:, 1:], ids[:, 1:], -1)      # -1 never equals a prediction
+            accepted = greedy_accept_length(guesses, predicted)
+            state.keep_block(q, slots <= accepted[:, None])
+            predicted, accepted = predicted.tolist(), accepted.tolist()
+            before = [len(state.out[row]) for row in rows]
+            state.commit([predicted[r][: accepted[r] + 1] for r in range(len(rows))],
+                         advance=[a + 1 for a in accepted])
+            stats = state.stats
+            for r, row in enumerate(rows):
+                block, n_in = blocks[row], len(inputs[r])
+                block.tokens[block.fixed:] = predicted[r][:n_in]          # the next Jacobi state
+                committed = len(state.out[row]) - before[r]
+                block.fixed += committed
+                block.states.append(list(block.tokens))
+                stats.fast_forwarded += committed - 1
+                stats.drafted_tokens += n_in - 1
+                stats.accepted_tokens += committed - 1
+            counts["iterations"] += len(rows)
+            advance(rows)
+
+        extras = {
+            "fast_forward_count": (state.stats.fast_forwarded + counts["iterations"]) / counts["iterations"]
+            if counts["iterations"] else 0.0,
+            "stationary_count": state.stats.stationary / counts["blocks"] if counts["blocks"] else 0.0,
+            "jacobi_iterations": counts["iterations"],
+            "blocks": counts["blocks"],
+        }
+        if self.return_trajectory:
+            extras["trajectories"] = trajectories
+        return extras
