@@ -171,3 +171,26 @@ def test_bad_input(models):
         generate(model, ids, "nope")
     with pytest.raises(ConfigError, match="temperature"):
         generate(model, ids, "ar", temperature=-0.5)
+
+
+@pytest.mark.parametrize("method, params", [("ar", {}), ("jacobi", {"n_tokens": 5}),
+                                            ("lookahead", {"window": 3, "ngram": 3, "guesses": 3}),
+                                            ("speculative", {"gamma": 3}), ("tree", {"tree": [2, 2, 1]})])
+def test_stats_are_counted_the_same_way_for_every_method(method, params):
+    """One rule for all: each target forward yields one token of its own; the rest of what it commits are accepted
+    proposals. So new tokens = row forwards + accepted tokens, and τ = new tokens / row forwards."""
+    from lit_spec.decoding import generate
+    from random_models import noisy_copy
+
+    model = random_model("llama")
+    if method in {"speculative", "tree"}:
+        params = {**params, "draft_model": noisy_copy(model, 0.02)}
+    ids, mask = random_prompts(1, [7], seed=3)
+    eos = int(reference_greedy(model, ids, mask, 30)[0, 7 + 20])  # an EOS the output reaches mid-way
+    stats = generate(model, ids, method=method, max_new_tokens=30, eos_token_id=eos, **params).stats
+    assert stats.new_tokens == stats.row_forwards + stats.accepted_tokens
+    assert stats.accepted_tokens <= stats.drafted_tokens
+    assert stats.mean_accepted == pytest.approx(stats.new_tokens / stats.target_forwards)
+    assert sum(stats.accepted_per_forward) == stats.new_tokens
+    if method == "ar":
+        assert stats.mean_accepted == 1.0 and stats.drafted_tokens == 0

@@ -158,8 +158,8 @@ def test_cache_holds_exactly_the_committed_prefix(models, monkeypatch):
     ids, _ = random_prompts(1, [7], seed=8)
     prompt, checked, commit = ids[0].tolist(), [], DecodeState.commit
 
-    def checked_commit(state, tokens, advance):
-        commit(state, tokens, advance)
+    def checked_commit(state, tokens, advance, drafted=None):
+        commit(state, tokens, advance, drafted)
         if not state.finished:
             assert_same_cache(state.cache, model, prompt + state.out[0][:-1])
             checked.append(len(tokens[0]))

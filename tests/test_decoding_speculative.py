@@ -101,8 +101,8 @@ def test_caches_roll_back_to_accepted_prefix(models, monkeypatch):
     checked = {"target": 0, "draft": 0}
     commit, sync = DecodeState.commit, draft_module.DraftRunner.sync
 
-    def checked_commit(state, tokens, advance):
-        commit(state, tokens, advance)
+    def checked_commit(state, tokens, advance, drafted=None):
+        commit(state, tokens, advance, drafted)
         if not state.finished:
             assert_same_cache(state.cache, target, prompt + state.out[0][:-1])
             checked["target"] += 1

@@ -132,8 +132,8 @@ def test_cache_keeps_only_the_accepted_path(models, monkeypatch):
     prompt, checked = ids[0].tolist(), []
     commit = DecodeState.commit
 
-    def checked_commit(state, tokens, advance):
-        commit(state, tokens, advance)
+    def checked_commit(state, tokens, advance, drafted=None):
+        commit(state, tokens, advance, drafted)
         if not state.finished:
             assert_same_cache(state.cache, target, prompt + state.out[0][:-1])
             assert state.past_valid.shape == (1, len(prompt) + len(state.out[0]) - 1) and state.past_valid.all()

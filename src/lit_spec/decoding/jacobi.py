@@ -205,7 +205,7 @@ class JacobiDecoder(Decoder):
             predicted, accepted = predicted.tolist(), accepted.tolist()
             before = [len(state.out[row]) for row in rows]
             state.commit([predicted[r][: accepted[r] + 1] for r in range(len(rows))],
-                         advance=[a + 1 for a in accepted])
+                         advance=[a + 1 for a in accepted], drafted=[len(inputs[r]) - 1 for r in range(len(rows))])
             stats = state.stats
             for r, row in enumerate(rows):
                 block, n_in = blocks[row], len(inputs[r])
@@ -214,8 +214,6 @@ class JacobiDecoder(Decoder):
                 block.fixed += committed
                 block.states.append(list(block.tokens))
                 stats.fast_forwarded += committed - 1
-                stats.drafted_tokens += n_in - 1
-                stats.accepted_tokens += committed - 1
             counts["iterations"] += len(rows)
             advance(rows)
 

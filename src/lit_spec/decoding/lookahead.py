@@ -154,15 +154,12 @@ class LookaheadDecoder(Decoder):
                 lengths = greedy_accept_length(torch.where(real, ids[0][idx], -1), predicted[before]).tolist()
                 best = max(range(len(branches)), key=lambda g: (lengths[g], -g))
                 accepted = lengths[best]
-                state.stats.drafted_tokens += k
             path = layout.branches[best][:accepted] if best >= 0 else []
             predicted_list = predicted.tolist()
             commit = branches[best][:accepted] + [predicted_list[path[-1] if path else 0]] if best >= 0 \
                 else [predicted_list[0]]
             state.keep_path(len(layout), torch.tensor([0] + path, device=device))
-            before_len = len(state.out[0])
-            state.commit([commit], advance=[accepted + 1])
-            state.stats.accepted_tokens += len(state.out[0]) - before_len - 1
+            state.commit([commit], advance=[accepted + 1], drafted=[k if best >= 0 else 0])
             steps += 1
 
             # lookahead branch: collect the window's n-grams, slide it one Jacobi iteration on

@@ -66,6 +66,4 @@ class SpeculativeDecoder(Decoder):
             state.keep_block(gamma + 1, (torch.arange(gamma + 1, device=device) <= n)[None])
             stats = state.stats
             stats.draft_forwards += draft.forwards - forwards
-            stats.drafted_tokens += gamma
-            stats.accepted_tokens += n
-            state.commit([drafts[:n] + [extra]], advance=[n + 1])
+            state.commit([drafts[:n] + [extra]], advance=[n + 1], drafted=[gamma])

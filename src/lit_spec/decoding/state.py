@@ -98,11 +98,18 @@ class DecodeState:
             raise ConfigError(f"decoding method {method!r} supports batch size 1 only, got {self.prompt.size(0)} "
                               "prompts: decode them one at a time")
 
-    def commit(self, tokens: list[list[int]], advance: list[int]) -> None:
+    def commit(self, tokens: list[list[int]], advance: list[int], drafted: list[int] | None = None) -> None:
         """Append ``tokens[r]`` to active row r (cut at EOS / max_new_tokens); the last committed token becomes the
-        row's pending token. ``advance[r]``: how many of the row's positions entered the cache in this step."""
+        row's pending token. ``advance[r]``: how many of the row's positions entered the cache in this step.
+
+        ``tokens[r]`` is the accepted proposals followed by the target's own next token; ``drafted[r]`` the number
+        of tokens proposed for verification. Accepted tokens are counted as they are *output* (after the cut), so
+        ``new_tokens == row_forwards + accepted_tokens`` for every method.
+        """
         counts, pending = [], []
         for r, new in enumerate(tokens):
+            if drafted is not None:
+                self.stats.drafted_tokens += drafted[r]
             row = self.out[self.active[r]]
             room = self.max_new_tokens - len(row)
             new = new[:room]
@@ -112,6 +119,8 @@ class DecodeState:
                     break
             row.extend(new)
             counts.append(len(new))
+            if drafted is not None:
+                self.stats.accepted_tokens += len(new) - 1  # every forward yields one token of its own
             pending.append(row[-1])
         self.stats.commit(counts)
         device = self.next_pos.device

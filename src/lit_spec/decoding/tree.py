@@ -161,9 +161,7 @@ def verify_tree(state: DecodeState, spec: TreeSpec, tree_tokens: torch.Tensor) -
     last = path[-1] if path else 0
     tokens = [int(block[0, i]) for i in path] + [target[last]]
     state.keep_path(block.size(1), torch.tensor([0] + path, device=device))
-    state.stats.drafted_tokens += spec.depth
-    state.stats.accepted_tokens += len(path)
-    state.commit([tokens], advance=[len(path) + 1])
+    state.commit([tokens], advance=[len(path) + 1], drafted=[spec.depth])
     return TreeStep(tokens, [i - 1 for i in path], logits)
 
 
