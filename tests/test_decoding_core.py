@@ -192,5 +192,8 @@ def test_stats_are_counted_the_same_way_for_every_method(method, params):
     assert stats.accepted_tokens <= stats.drafted_tokens
     assert stats.mean_accepted == pytest.approx(stats.new_tokens / stats.target_forwards)
     assert sum(stats.accepted_per_forward) == stats.new_tokens
+    # the clock: time inside model forwards is part of the wall time; drafts only where there is a draft model
+    assert 0 < stats.forward_time and stats.forward_time + stats.draft_time <= stats.wall_time
+    assert (stats.draft_time > 0) == (method in {"speculative", "tree"}) == (stats.draft_forwards > 0)
     if method == "ar":
         assert stats.mean_accepted == 1.0 and stats.drafted_tokens == 0

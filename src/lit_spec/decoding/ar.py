@@ -34,9 +34,10 @@ class ARDecoder(Decoder):
         while not state.finished:
             b = len(state.active)
             # plain one-token steps: a 2D mask over the cache's valid positions, no holes to care about
-            out = self.model(input_ids=state.pending[:, None], position_ids=state.next_pos[:, None],
-                             attention_mask=torch.cat([state.past_valid, state.past_valid.new_ones(b, 1)], 1).long(),
-                             past_key_values=state.cache, use_cache=True)
+            mask = torch.cat([state.past_valid, state.past_valid.new_ones(b, 1)], 1).long()
+            with state.stats.timed("forward_time", mask.device):
+                out = self.model(input_ids=state.pending[:, None], position_ids=state.next_pos[:, None],
+                                 attention_mask=mask, past_key_values=state.cache, use_cache=True)
             state.past_valid = torch.cat([state.past_valid, state.past_valid.new_ones(b, 1)], 1)
             token = self.pick(out.logits[:, -1])
             state.commit([[t] for t in token.tolist()], advance=[1] * b)

@@ -166,6 +166,8 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
             "draft_forwards": stats.draft_forwards, "new_tokens": stats.new_tokens, "wall_time": stats.wall_time,
             "acceptance_rate": stats.acceptance_rate if stats.drafted_tokens else None,
             "fast_forwarded": stats.fast_forwarded, "stationary": stats.stationary, "exact_match": exact,
+            "forward_time": stats.forward_time, "draft_time": stats.draft_time,
+            "engine_overhead": stats.engine_overhead if stats.forward_time else None,
         }
     write_report(results, out_dir)
     return results
@@ -173,13 +175,15 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
 
 def markdown_table(results: dict) -> str:
     head = ("| method | tokens/s | speedup vs our AR | τ (mean accepted) | target forwards | new tokens | "
-            "exact match |\n|---|---|---|---|---|---|---|\n")
+            "exact match | time in target / draft forwards | engine overhead |\n|---|---|---|---|---|---|---|---|---|\n")
 
     def fmt(v, spec):
         return "–" if v is None else format(v, spec)
 
     rows = [f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}× | {fmt(m['mean_accepted'], '.2f')} | "
-            f"{fmt(m['target_forwards'], 'd')} | {m['new_tokens']} | {m['exact_match']:.2f} |"
+            f"{fmt(m['target_forwards'], 'd')} | {m['new_tokens']} | {m['exact_match']:.2f} | "
+            + (f"{m['forward_time']:.2f} s / {m['draft_time']:.2f} s" if m["engine_overhead"] is not None else "–")
+            + f" | {fmt(m['engine_overhead'], '.1%')} |"
             for name, m in results["methods"].items()]
     return head + "\n".join(rows) + "\n"
 

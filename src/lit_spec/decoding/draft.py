@@ -9,6 +9,7 @@ always equals the cache of the tokens it holds, and the prompt is read once.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -47,6 +48,7 @@ class DraftRunner:
         self.ids: list[int] = []       # tokens whose keys/values are in the cache, in order
         self.committed = 0             # ids[:committed] are known to be committed (never rolled back)
         self.forwards = 0              # draft model calls
+        self.seconds = 0.0             # time inside them
 
     @property
     def device(self) -> torch.device:
@@ -54,13 +56,18 @@ class DraftRunner:
 
     def _forward(self, tokens: list[int]) -> torch.Tensor:
         start, device = len(self.ids), self.device
+        clock = time.perf_counter()
         out = self.model(input_ids=torch.tensor([tokens], device=device),
                          position_ids=torch.arange(start, start + len(tokens), device=device)[None],
                          attention_mask=torch.ones(1, start + len(tokens), dtype=torch.long, device=device),
                          past_key_values=self.cache, use_cache=True)
+        logits = out.logits[0, -1]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.seconds += time.perf_counter() - clock
         self.ids.extend(tokens)
         self.forwards += 1
-        return out.logits[0, -1]
+        return logits
 
     def sync(self, sequence: list[int]) -> int:
         """Roll the cache back to the longest prefix of ``sequence`` it holds (leaving at least one token to feed)."""

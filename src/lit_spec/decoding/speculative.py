@@ -51,7 +51,7 @@ class SpeculativeDecoder(Decoder):
         while not state.finished:
             # never draft beyond what can still be committed (n accepted + 1 extra <= room)
             gamma = min(self.gamma, state.max_new_tokens - len(state.out[0]) - 1)
-            forwards = draft.forwards
+            forwards, seconds = draft.forwards, draft.seconds
             drafts, draft_logits = draft.propose(prompt + state.out[0], gamma, self.pick)
             block = torch.tensor([[int(state.pending[0])] + drafts], device=device)
             logits = state.forward(block, causal(gamma + 1, device))[0]          # [gamma + 1, V]
@@ -66,4 +66,5 @@ class SpeculativeDecoder(Decoder):
             state.keep_block(gamma + 1, (torch.arange(gamma + 1, device=device) <= n)[None])
             stats = state.stats
             stats.draft_forwards += draft.forwards - forwards
+            stats.draft_time += draft.seconds - seconds
             state.commit([drafts[:n] + [extra]], advance=[n + 1], drafted=[gamma])

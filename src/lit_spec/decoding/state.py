@@ -51,8 +51,9 @@ class DecodeState:
         """Run the prompts; returns the logits of their last position ([B, V]) to pick the first new token."""
         mask = self.prompt_mask
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=self.prompt, attention_mask=mask, position_ids=position_ids,
-                         past_key_values=self.cache, use_cache=True)
+        with self.stats.timed("forward_time", self.prompt.device):
+            out = self.model(input_ids=self.prompt, attention_mask=mask, position_ids=position_ids,
+                             past_key_values=self.cache, use_cache=True)
         self.next_pos = mask.sum(-1)
         return out.logits[:, -1]
 
@@ -65,8 +66,9 @@ class DecodeState:
             depth = torch.arange(q, device=block.device)
         position_ids = self.next_pos[:, None] + depth
         mask = attention_mask(self.past_valid, visible.to(block.device), self.dtype)
-        out = self.model(input_ids=block, attention_mask=mask, position_ids=position_ids,
-                         past_key_values=self.cache, use_cache=True)
+        with self.stats.timed("forward_time", block.device):
+            out = self.model(input_ids=block, attention_mask=mask, position_ids=position_ids,
+                             past_key_values=self.cache, use_cache=True)
         self.past_valid = torch.cat([self.past_valid, torch.ones_like(block, dtype=torch.bool)], dim=1)
         return out.logits
 

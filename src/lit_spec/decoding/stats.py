@@ -6,7 +6,11 @@ once per active batch row in ``row_forwards``. τ (``mean_accepted``) = new toke
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+
+import torch
 
 
 @dataclass
@@ -18,6 +22,8 @@ class DecodeStats:
     drafted_tokens: int = 0        # tokens proposed for verification (draft tokens, guesses, tree nodes on the path)
     accepted_tokens: int = 0       # proposed tokens that verification accepted
     wall_time: float = 0.0         # seconds, measured around the whole decode (synchronised on CUDA)
+    forward_time: float = 0.0      # seconds inside target forwards (the rest of wall_time is drafting + engine)
+    draft_time: float = 0.0        # seconds inside draft forwards
     fast_forwarded: int = 0        # Jacobi (CLLM Table 3): tokens beyond the first committed by one iteration
     stationary: int = 0            # Jacobi: tokens that were correct before their prefix was, and stayed so
     accepted_per_forward: list[int] = field(default_factory=list)  # tokens committed per row forward
@@ -33,6 +39,23 @@ class DecodeStats:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_time if self.wall_time else 0.0
+
+    @property
+    def engine_overhead(self) -> float:
+        """Share of the wall time spent outside model forwards: masks, verification, bookkeeping."""
+        return 1.0 - (self.forward_time + self.draft_time) / self.wall_time if self.wall_time else 0.0
+
+    @contextmanager
+    def timed(self, field_name: str, device: torch.device):
+        """Add the duration of the block (synchronised on CUDA) to ``forward_time`` or ``draft_time``."""
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+        sync(device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync(device)
+            setattr(self, field_name, getattr(self, field_name) + time.perf_counter() - start)
 
     def commit(self, counts: list[int]) -> None:
         """Record one target forward that committed ``counts[r]`` tokens to each still-active row r."""
@@ -50,5 +73,5 @@ class DecodeStats:
     def summary(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "accepted_per_forward"}
         d.update(mean_accepted=self.mean_accepted, acceptance_rate=self.acceptance_rate,
-                 tokens_per_s=self.tokens_per_s)
+                 tokens_per_s=self.tokens_per_s, engine_overhead=self.engine_overhead)
         return d

@@ -175,9 +175,10 @@ class DraftCandidates:
     def __call__(self, state: DecodeState, depth: int, k: int) -> torch.Tensor:
         if self.prompt is None:
             self.prompt = state.prompt[0][state.prompt_mask[0].bool()].tolist()
-        forwards = self.runner.forwards
+        forwards, seconds = self.runner.forwards, self.runner.seconds
         _, logits = self.runner.propose(self.prompt + state.out[0], depth, lambda x: int(x.argmax(-1)))
         state.stats.draft_forwards += self.runner.forwards - forwards
+        state.stats.draft_time += self.runner.seconds - seconds
         return logits.topk(k, dim=-1).indices
 
 
