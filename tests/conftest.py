@@ -49,3 +49,23 @@ def micro_config(tmp_path):
         return make_config(output_dir or tmp_path / "run", [*MICRO_RUN, *overrides])
 
     return build
+
+
+# ---- decoding tests -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models decode faster on one thread (no intra-op scheduling per small matmul)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """One small random model per architecture (tests/random_models.py), shared by a test module."""
+    from random_models import ARCHS, random_model
+
+    return {arch: random_model(arch) for arch in ARCHS}

@@ -14,17 +14,7 @@ from lit_spec.decoding.state import DecodeState
 from lit_spec.errors import ConfigError
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def models():
-    return {arch: random_model(arch) for arch in ARCHS}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- AR ---------------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hand_models import bigram_model
-from random_models import (ARCHS, PAD, assert_same_cache, random_model, random_prompts, reference_greedy,
+from random_models import (ARCHS, PAD, assert_same_cache, random_prompts, reference_greedy,
                            tokens_until_eos)
 
 from lit_spec.decoding import DECODERS, generate
@@ -16,18 +16,7 @@ from lit_spec.decoding.state import DecodeState
 from lit_spec.errors import ConfigError
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models decode faster on one thread (no intra-op scheduling per small matmul)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def models():
-    return {arch: random_model(arch) for arch in ARCHS}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def new_tokens(out, prompt_len: int, row: int = 0, eos=None) -> list[int]:

@@ -32,18 +32,7 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor, n: int) -> tuple[float, int]
     return float(((obs - exp) ** 2 / exp).sum()), obs.numel() - 1
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models decode faster on one thread (no intra-op scheduling per small matmul)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def models():
-    return {arch: random_model(arch) for arch in ARCHS}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -19,17 +19,7 @@ MEDUSA_LIKE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 
 SHAPES = {"chain3": [1, 1, 1], "topk221": [2, 2, 1], "wide4": [4], "medusa_like": MEDUSA_LIKE}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def models():
-    return {arch: random_model(arch) for arch in ARCHS}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_tree_spec_structure():
