@@ -81,3 +81,22 @@ def assert_same_cache(cache, model, ids: list[int], atol: float = 1e-4) -> None:
     for got, want in zip(cache.layers, direct.layers):
         torch.testing.assert_close(got.keys, want.keys, atol=atol, rtol=atol)
         torch.testing.assert_close(got.values, want.values, atol=atol, rtol=atol)
+
+
+def check_cache_after_each_commit(monkeypatch, model, prompt: list[int]) -> list[int]:
+    """Patch ``DecodeState.commit`` so that after every step (while the row decodes) the target's KV cache equals a
+    fresh forward of the prompt and every committed token but the pending one, with no masked hole left (batch size
+    1). Returns the list that receives each step's committed-token count."""
+    from lit_spec.decoding.state import DecodeState
+
+    checked, commit = [], DecodeState.commit
+
+    def checked_commit(state, tokens, advance, drafted=None):
+        commit(state, tokens, advance, drafted)
+        if not state.finished:
+            assert_same_cache(state.cache, model, prompt + state.out[0][:-1])
+            assert state.past_valid.shape == (1, len(prompt) + len(state.out[0]) - 1) and state.past_valid.all()
+            checked.append(len(tokens[0]))
+
+    monkeypatch.setattr(DecodeState, "commit", checked_commit)
+    return checked

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hand_models import bigram_model
-from random_models import (ARCHS, assert_same_cache, random_prompts, reference_greedy,
+from random_models import (ARCHS, check_cache_after_each_commit, random_prompts, reference_greedy,
                            tokens_until_eos)
 
 from lit_spec.decoding import DECODERS, generate
@@ -145,15 +145,7 @@ def test_cache_holds_exactly_the_committed_prefix(models, monkeypatch):
     pending one: false guesses' entries were dropped, accepted ones kept."""
     model = models["llama"]
     ids, _ = random_prompts(1, [7], seed=8)
-    prompt, checked, commit = ids[0].tolist(), [], DecodeState.commit
-
-    def checked_commit(state, tokens, advance, drafted=None):
-        commit(state, tokens, advance, drafted)
-        if not state.finished:
-            assert_same_cache(state.cache, model, prompt + state.out[0][:-1])
-            checked.append(len(tokens[0]))
-
-    monkeypatch.setattr(DecodeState, "commit", checked_commit)
+    checked = check_cache_after_each_commit(monkeypatch, model, ids[0].tolist())
     out = generate(model, ids, "lookahead", max_new_tokens=30, window=4, ngram=3, guesses=4, pool_from_prompt=True)
     assert torch.equal(out.sequences, reference_greedy(model, ids, torch.ones_like(ids), 30))
     assert len(checked) == out.stats.target_forwards - 1 and max(checked) > 1

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from omegaconf import OmegaConf
-from random_models import (ARCHS, assert_same_cache, noisy_copy, random_model, random_prompts, reference_greedy,
-                           tokens_until_eos)
+from random_models import (ARCHS, check_cache_after_each_commit, noisy_copy, random_model, random_prompts,
+                           reference_greedy, tokens_until_eos)
 
 from lit_spec.decoding import generate
-from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.tree import TreeSpec
 from lit_spec.decoding.verify import tree_accept_path
 from lit_spec.errors import ConfigError
@@ -119,16 +118,7 @@ def test_cache_keeps_only_the_accepted_path(models, monkeypatch):
     target = models["mistral"]
     draft = noisy_copy(target, 0.01)
     ids, _ = random_prompts(1, [8], seed=6)
-    prompt, checked = ids[0].tolist(), []
-    commit = DecodeState.commit
-
-    def checked_commit(state, tokens, advance, drafted=None):
-        commit(state, tokens, advance, drafted)
-        if not state.finished:
-            assert_same_cache(state.cache, target, prompt + state.out[0][:-1])
-            assert state.past_valid.shape == (1, len(prompt) + len(state.out[0]) - 1) and state.past_valid.all()
-            checked.append(len(tokens[0]))
-    monkeypatch.setattr(DecodeState, "commit", checked_commit)
+    checked = check_cache_after_each_commit(monkeypatch, target, ids[0].tolist())
     out = generate(target, ids, "tree", max_new_tokens=30, draft_model=draft, tree=MEDUSA_LIKE)
     assert len(checked) >= 5 and max(checked) > 2    # paths of several nodes were kept, not only the root
     assert 0 < out.stats.accepted_tokens < out.stats.drafted_tokens
