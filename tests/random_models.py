@@ -100,3 +100,16 @@ def check_cache_after_each_commit(monkeypatch, model, prompt: list[int]) -> list
 
     monkeypatch.setattr(DecodeState, "commit", checked_commit)
     return checked
+
+
+def greedy_with_mid_output_eos(model, ids, mask, max_new_tokens: int, not_before: int,
+                               where=lambda i: True) -> tuple[int, int, list[int]]:
+    """Pick as EOS the first greedy output token that appears for the first time at position >= ``not_before`` (and
+    where ``where(position)`` holds), so decoding stops mid-output. Returns (its position, the EOS token, the
+    reference new tokens through that EOS)."""
+    free = reference_greedy(model, ids, mask, max_new_tokens)[0, ids.size(1):].tolist()
+    k = next(i for i, t in enumerate(free) if i >= not_before and where(i) and t not in free[:i])
+    ref = tokens_until_eos(reference_greedy(model, ids, mask, max_new_tokens, eos_token_id=free[k])[0],
+                           ids.size(1), free[k])
+    assert ref[-1] == free[k] and len(ref) == k + 1
+    return k, free[k], ref

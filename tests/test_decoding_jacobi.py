@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from hand_models import bigram_model
-from random_models import (ARCHS, PAD, check_cache_after_each_commit, random_prompts, reference_greedy,
-                           tokens_until_eos)
+from random_models import (ARCHS, PAD, check_cache_after_each_commit, greedy_with_mid_output_eos, random_prompts,
+                           reference_greedy, tokens_until_eos)
 
 from lit_spec.decoding import DECODERS, generate
 from lit_spec.decoding.jacobi import JacobiDecoder, stationary_tokens
@@ -137,12 +137,9 @@ def test_eos_inside_accepted_block(models, arch):
     ids, mask = random_prompts(1, [6], seed=20 + ARCHS.index(arch))
     n, new = 5, 36
     free = reference_greedy(model, ids, mask, new)[0].tolist()
-    out_free = free[ids.size(1):]
     # EOS: a token first output at a position in the middle of a block (not its first or last token)
-    k = next(i for i, t in enumerate(out_free) if i >= 7 and i % n not in (0, n - 1) and t not in out_free[:i])
-    eos = out_free[k]
-    ref = tokens_until_eos(reference_greedy(model, ids, mask, new, eos_token_id=eos)[0], ids.size(1), eos)
-    assert len(ref) == k + 1
+    k, eos, ref = greedy_with_mid_output_eos(model, ids, mask, new, not_before=7,
+                                             where=lambda i: i % n not in (0, n - 1))
     out = OracleJacobi(model, free, n_tokens=n, return_trajectory=True).generate(ids, new, eos_token_id=eos)
     assert new_tokens(out, ids.size(1)) == ref
     # prefill + one forward per block; the last forward accepted tokens past EOS that were cut

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from hand_models import bigram_model
-from random_models import (ARCHS, check_cache_after_each_commit, random_prompts, reference_greedy,
-                           tokens_until_eos)
+from random_models import (ARCHS, check_cache_after_each_commit, greedy_with_mid_output_eos, random_prompts,
+                           reference_greedy, tokens_until_eos)
 
 from lit_spec.decoding import DECODERS, generate
 from lit_spec.decoding.lookahead import LookaheadLayout, NGramPool
@@ -76,9 +76,7 @@ def test_eos_inside_accepted_ngram(models, arch):
     # random models: EOS some token of the output
     model = models[arch]
     ids, mask = random_prompts(1, [6], seed=40 + ARCHS.index(arch))
-    free = reference_greedy(model, ids, mask, 36)[0, ids.size(1):].tolist()
-    eos = next(t for i, t in enumerate(free) if i >= 6 and t not in free[:i])
-    ref = tokens_until_eos(reference_greedy(model, ids, mask, 36, eos_token_id=eos)[0], ids.size(1), eos)
+    _, eos, ref = greedy_with_mid_output_eos(model, ids, mask, 36, not_before=6)
     for w, n, g in [(4, 3, 4), (5, 4, 5)]:
         out = generate(model, ids, "lookahead", max_new_tokens=36, eos_token_id=eos, window=w, ngram=n, guesses=g,
                        pool_from_prompt=True)

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from random_models import (ARCHS, assert_same_cache, check_cache_after_each_commit, noisy_copy, random_model,
-                           random_prompts, reference_greedy, tokens_until_eos)
+from random_models import (ARCHS, assert_same_cache, check_cache_after_each_commit, greedy_with_mid_output_eos,
+                           noisy_copy, random_model, random_prompts, reference_greedy)
 
 from lit_spec.decoding import DECODERS, generate
 from lit_spec.decoding.verify import logits_to_probs, speculative_accept
@@ -63,12 +63,8 @@ def test_greedy_identical_to_generate(models, arch):
 def test_greedy_eos_inside_accepted_block(models, arch):
     target = models[arch]
     ids, mask = random_prompts(1, [6], seed=5 + ARCHS.index(arch))
-    free = reference_greedy(target, ids, mask, 40)[0, ids.size(1):].tolist()
     # the first token that appears only from position >= 8 on serves as EOS: decoding stops in the middle
-    k = next(i for i, t in enumerate(free) if i >= 8 and t not in free[:i])
-    eos = free[k]
-    ref = tokens_until_eos(reference_greedy(target, ids, mask, 40, eos_token_id=eos)[0], ids.size(1), eos)
-    assert ref[-1] == eos and len(ref) == k + 1
+    k, eos, ref = greedy_with_mid_output_eos(target, ids, mask, 40, not_before=8)
     for draft in (target, noisy_copy(target, 0.01)):
         for gamma in (2, 5):
             out = generate(target, ids, "speculative", max_new_tokens=40, eos_token_id=eos, draft_model=draft,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from omegaconf import OmegaConf
-from random_models import (ARCHS, check_cache_after_each_commit, noisy_copy, random_model, random_prompts,
-                           reference_greedy, tokens_until_eos)
+from random_models import (ARCHS, check_cache_after_each_commit, greedy_with_mid_output_eos, noisy_copy, random_model,
+                           random_prompts, reference_greedy)
 
 from lit_spec.decoding import generate
 from lit_spec.decoding.tree import TreeSpec
@@ -101,11 +101,7 @@ def test_perfect_draft_accepts_the_top1_path(models, name):
 def test_greedy_eos_inside_accepted_path(models, arch):
     target = models[arch]
     ids, mask = random_prompts(1, [6], seed=15 + ARCHS.index(arch))
-    free = reference_greedy(target, ids, mask, 40)[0, ids.size(1):].tolist()
-    k = next(i for i, t in enumerate(free) if i >= 6 and t not in free[:i])
-    eos = free[k]
-    ref = tokens_until_eos(reference_greedy(target, ids, mask, 40, eos_token_id=eos)[0], ids.size(1), eos)
-    assert ref[-1] == eos and len(ref) == k + 1
+    k, eos, ref = greedy_with_mid_output_eos(target, ids, mask, 40, not_before=6)
     for tree in ([3, 1, 1, 1, 1], MEDUSA_LIKE):
         for draft in (target, noisy_copy(target, 0.01)):
             out = generate(target, ids, "tree", max_new_tokens=40, eos_token_id=eos, draft_model=draft, tree=tree)
