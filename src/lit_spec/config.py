@@ -1,4 +1,5 @@
-"""Where the Hydra configs live, composing them outside an app, and hashing a config for stage caches."""
+"""Where the Hydra configs live, composing them outside an app, building objects from them, and hashing a config
+for stage caches."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 from typing import Sequence
 
 from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException
 from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lit_spec.errors import LitSpecError
@@ -37,3 +40,15 @@ def config_hash(obj, length: int = 10) -> str:
         obj = OmegaConf.to_container(obj, resolve=False)
     blob = json.dumps(obj, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:length]
+
+
+def build(node: DictConfig, **kwargs):
+    """``instantiate(node)(**kwargs)``, with primitives for containers; a ``LitSpecError`` raised while building comes
+    out as itself (Hydra wraps it in an ``InstantiationException``), so the entry point prints its one line."""
+    try:
+        factory = instantiate(node, _partial_=True, _convert_="all")
+    except InstantiationException as e:
+        if isinstance(e.__cause__, LitSpecError):
+            raise e.__cause__ from None
+        raise
+    return factory(**kwargs)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lit_spec.errors import ConfigError, LitSpecError
+from lit_spec.config import build
+from lit_spec.errors import ConfigError
 from lit_spec.export import export_pretrained
 from lit_spec.io import write_json
 from lit_spec.loggers import finish_wandb
@@ -56,18 +56,6 @@ class _FinishRun(L.Callback):
         self.metrics = metrics
 
 
-def _build(node: DictConfig, **kwargs):
-    """``instantiate(node)(**kwargs)``, with primitives for containers; a ``LitSpecError`` raised while building comes
-    out as itself (Hydra wraps it in an ``InstantiationException``), so the entry point prints its one line."""
-    try:
-        factory = instantiate(node, _partial_=True, _convert_="all")
-    except InstantiationException as e:
-        if isinstance(e.__cause__, LitSpecError):
-            raise e.__cause__ from None
-        raise
-    return factory(**kwargs)
-
-
 def _instantiate_group(group: DictConfig | None) -> list:
     """Build every entry of a ``{name: {_target_: ...}}`` group (callbacks, loggers); null entries are skipped."""
     return [instantiate(c) for c in (group or {}).values() if c is not None and "_target_" in c]
@@ -83,13 +71,13 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(f"ckpt_path={ckpt_path}: no such checkpoint; pass a .ckpt file (or DeepSpeed checkpoint "
                           "directory) from an earlier run's checkpoints/")
 
-    model_spec = _build(cfg.model)
+    model_spec = build(cfg.model)
     model_spec.prepare()
     model_spec.validate()
     tokenizer = model_spec.load_tokenizer()
-    datamodule = _build(cfg.data, tokenizer=tokenizer)
+    datamodule = build(cfg.data, tokenizer=tokenizer)
     datamodule.setup("fit")  # bad data fails here, before any training
-    module = _build(cfg.method, model_spec=model_spec)
+    module = build(cfg.method, model_spec=model_spec)
 
     finish = _FinishRun(cfg)
     trainer: L.Trainer = instantiate(cfg.trainer, _partial_=True)(

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lit_spec.decoding.state import DecodeState
-from lit_spec.decoding.stats import DecodeStats
+from lit_spec.decoding.stats import DecodeStats, sync_device
 from lit_spec.errors import ConfigError
 
 DECODERS: dict[str, type["Decoder"]] = {}
@@ -29,11 +29,6 @@ class DecodeOutput:
     sequences: torch.Tensor                 # [B, prompt + new], right-padded with the pad token
     stats: DecodeStats
     extras: dict = field(default_factory=dict)   # method-specific (e.g. Jacobi trajectories)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Decoder(ABC):
@@ -57,10 +52,10 @@ class Decoder(ABC):
         """Decode ``input_ids`` [B, L] (left-padded when ``attention_mask`` marks padding) for up to
         ``max_new_tokens``, stopping a row at ``eos_token_id``."""
         state = DecodeState(self.model, input_ids, attention_mask, max_new_tokens, eos_token_id)
-        _sync(input_ids.device)
+        sync_device(input_ids.device)
         start = time.perf_counter()
         extras = self._decode(state) or {}
-        _sync(input_ids.device)
+        sync_device(input_ids.device)
         state.stats.wall_time = time.perf_counter() - start
         return DecodeOutput(state.sequences(self.pad_token_id), state.stats, extras)
 

@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from lit_spec.config import build
 from lit_spec.decoding.base import DECODERS, Decoder
-from lit_spec.decoding.stats import DecodeStats
+from lit_spec.decoding.stats import DecodeStats, sync_device
 from lit_spec.errors import ConfigError
 from lit_spec.io import write_json
 
@@ -32,7 +32,7 @@ def _device(name: str) -> torch.device:
 
 
 def _load(spec_cfg: DictConfig, device: torch.device):
-    spec = instantiate(spec_cfg, _convert_="all")
+    spec = build(spec_cfg)
     spec.prepare()
     spec.validate()
     model = spec.load_model().to(device).eval()
@@ -41,7 +41,7 @@ def _load(spec_cfg: DictConfig, device: torch.device):
 
 def load_prompts(cfg: DictConfig, tokenizer) -> list[torch.Tensor]:
     """The first ``bench.num_prompts`` prompts (token ids) of ``bench.split`` of the ``data`` config."""
-    datamodule = instantiate(cfg.data, _partial_=True, _convert_="all")(tokenizer=tokenizer)
+    datamodule = build(cfg.data, tokenizer=tokenizer)
     datamodule.setup("test")
     split = datamodule.splits[cfg.bench.split]
     if len(split) == 0:
@@ -55,11 +55,6 @@ def _new_tokens(sequence: torch.Tensor, prompt_len: int, eos: int | None) -> lis
     if eos is not None and eos in new:
         new = new[: new.index(eos) + 1]
     return new
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class HFPeer:
@@ -81,11 +76,11 @@ class HFPeer:
 
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None):
-        _sync(ids.device)
+        sync_device(ids.device)
         start = time.perf_counter()
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                   eos_token_id=eos_token_id, **self.kwargs)
-        _sync(ids.device)
+        sync_device(ids.device)
         stats = DecodeStats(wall_time=time.perf_counter() - start)
         stats.new_tokens = len(_new_tokens(out, ids.size(1), eos_token_id))
         return out, stats

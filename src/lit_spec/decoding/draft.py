@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from lit_spec.decoding import cache as kv
+from lit_spec.decoding.stats import sync_device
 from lit_spec.errors import ConfigError
 
 
@@ -62,8 +63,7 @@ class DraftRunner:
                          attention_mask=torch.ones(1, start + len(tokens), dtype=torch.long, device=device),
                          past_key_values=self.cache, use_cache=True)
         logits = out.logits[0, -1]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync_device(device)
         self.seconds += time.perf_counter() - clock
         self.ids.extend(tokens)
         self.forwards += 1

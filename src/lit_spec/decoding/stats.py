@@ -13,6 +13,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 
+def sync_device(device: torch.device) -> None:
+    """Wait for queued GPU work, so that a host clock read afterwards measures it (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @dataclass
 class DecodeStats:
     new_tokens: int = 0            # tokens committed to the outputs (all rows, EOS included, padding not)
@@ -48,13 +54,12 @@ class DecodeStats:
     @contextmanager
     def timed(self, field_name: str, device: torch.device):
         """Add the duration of the block (synchronised on CUDA) to ``forward_time`` or ``draft_time``."""
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
-        sync(device)
+        sync_device(device)
         start = time.perf_counter()
         try:
             yield
         finally:
-            sync(device)
+            sync_device(device)
             setattr(self, field_name, getattr(self, field_name) + time.perf_counter() - start)
 
     def commit(self, counts: list[int]) -> None:
