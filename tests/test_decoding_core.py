@@ -96,7 +96,7 @@ def test_crop_and_keep_positions_match_direct_cache(models):
     state = DecodeState(model, torch.tensor([prefix]), None, 8, None)
     state.prefill()                                      # block[0] plays the pending token
     state.forward(torch.tensor([block]), from_parents(parents), torch.tensor(depths(parents)))
-    state.keep_path(len(block), torch.tensor([0, 2, 3]))
+    state.keep_path(len(block), [0, 2, 3])
     assert_same_cache(state.cache, model, prefix + [block[0], block[2], block[3]])
     assert state.past_valid.shape == (1, 9) and state.past_valid.all()
 
@@ -114,10 +114,10 @@ def test_rollback_after_rejection(models, arch):
     guess = torch.randint(3, 90, (2, 3), generator=torch.Generator().manual_seed(0))
     block = torch.cat([state.pending[:, None], guess], 1)
     state.forward(block, causal(4))
-    state.keep_block(4, torch.tensor([[True, True, False, False], [True, True, True, False]]))
+    state.keep_prefix(4, [2, 3])
     state.commit([guess[0, :1].tolist() + [5], guess[1, :2].tolist() + [6]], advance=[2, 3])
     logits = state.forward(state.pending[:, None], causal(1))[:, -1]
-    state.keep_block(1, torch.ones(2, 1, dtype=torch.bool))
+    state.keep_prefix(1, [1, 1])
     with torch.no_grad():
         for r in range(2):
             seq = ids[r].tolist() + state.out[r]
@@ -126,7 +126,7 @@ def test_rollback_after_rejection(models, arch):
     # row 1 finishes (max_new_tokens reached): only row 0 stays and the shared trailing hole is cropped
     state.commit([[7], [8, 9, 10, 11]], advance=[1, 1])
     assert state.active == [0]
-    state.keep_block(1, torch.ones(1, 1, dtype=torch.bool))
+    state.keep_prefix(1, [1])
     assert state.past_valid.size(1) == state.cache.get_seq_length()
 
 
@@ -137,7 +137,7 @@ def test_rollback_single_row_equals_accepted_prefix(models):
     state.commit([[int(state.prefill()[0].argmax())]], advance=[0])
     block = torch.cat([state.pending, torch.tensor([40, 41, 42, 43])])[None]
     state.forward(block, causal(5))
-    state.keep_block(5, torch.tensor([[True, True, True, False, False]]))   # pending + 2 accepted, 2 rejected
+    state.keep_prefix(5, [3])   # pending + 2 accepted, 2 rejected
     assert_same_cache(state.cache, model, ids[0].tolist() + block[0, :3].tolist())
     assert state.past_valid.shape == (1, 12)
 

@@ -27,22 +27,27 @@ def crop(cache: DynamicCache, length: int) -> None:
         cache.crop(-extra)
 
 
-def keep_positions(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
+def keep_positions(cache: DynamicCache, start: int, keep: list[int]) -> None:
     """Keep positions ``[0, start)`` and then only ``start + keep`` (in that order), dropping the rest of the block.
 
     Used after tree verification: the accepted path's entries are scattered in the verified block and are moved to
-    form a contiguous prefix. ``keep`` is a 1-D LongTensor of offsets into the block (same for every row).
+    form a contiguous prefix. ``keep``: increasing offsets into the block (same for every row). Only the block's
+    entries are touched (moved in place, then the tail cut), never the past before ``start``.
     """
-    index = torch.cat([torch.arange(start, device=keep.device), start + keep])
+    length = start + len(keep)
+    moved = [k for i, k in enumerate(keep) if k != i]   # offsets already in place need no copy
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
         if getattr(layer, "is_sliding", False) and layer.get_seq_length() >= layer.sliding_window:
             raise NotImplementedError("keep_positions on a sliding-window layer that has dropped old positions")
-        layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))
-        layer.values = layer.values.index_select(-2, index.to(layer.values.device))
+        if moved:
+            src = torch.tensor(keep, device=layer.keys.device) + start
+            layer.keys[..., start:length, :] = layer.keys[..., src, :]
+            layer.values[..., start:length, :] = layer.values[..., src, :]
+        layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
         if hasattr(layer, "cumulative_length"):    # sliding-window layers (Mistral) count their length themselves
-            layer.cumulative_length = layer.keys.shape[-2]
+            layer.cumulative_length = length
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:

@@ -198,11 +198,9 @@ class JacobiDecoder(Decoder):
             slots = torch.arange(q, device=device)[None]
             real = slots < lengths[:, None]
             # right padding of shorter rows: after every real token (causal: never seen), at depth 0, never kept
-            predicted = state.forward(ids, causal(q, device), torch.where(real, slots, 0)).argmax(-1)
-            guesses = torch.where(real[:, 1:], ids[:, 1:], -1)      # -1 never equals a prediction
-            accepted = greedy_accept_length(guesses, predicted)
-            state.keep_block(q, slots <= accepted[:, None])
-            predicted, accepted = predicted.tolist(), accepted.tolist()
+            predicted = state.forward(ids, causal(q, device), torch.where(real, slots, 0)).argmax(-1).tolist()
+            accepted = [greedy_accept_length(x[1:], p) for x, p in zip(inputs, predicted)]
+            state.keep_prefix(q, [a + 1 for a in accepted])
             before = [len(state.out[row]) for row in rows]
             state.commit([predicted[r][: accepted[r] + 1] for r in range(len(rows))],
                          advance=[a + 1 for a in accepted], drafted=[len(inputs[r]) - 1 for r in range(len(rows))])

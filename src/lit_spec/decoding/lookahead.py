@@ -81,6 +81,8 @@ class LookaheadLayout:
             self.branches.append(idx)
         self.parents = parents
         self.depths = depths(parents)
+        top = [self.window_index(levels - 1, col) for col in range(width)] if levels else []
+        self.read = [0] + top + [i for b in self.branches for i in b]
 
     def window_index(self, level: int, col: int) -> int:
         return self.window_start + level * self.width + col
@@ -106,13 +108,15 @@ class LookaheadDecoder(Decoder):
                               "(temperature 0)")
         self.guess = GuessMaker(model, init, init_token, self.pad_token_id, seed)
         self.pool_from_prompt = bool(pool_from_prompt)
-        self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+        self._layouts: dict[tuple, tuple[LookaheadLayout, torch.Tensor]] = {}
 
-    def _visible(self, layout: LookaheadLayout, device) -> torch.Tensor:
-        key = tuple(layout.parents)
-        if key not in self._masks:
-            self._masks[key] = from_parents(layout.parents, device)
-        return self._masks[key]
+    def _layout(self, levels: int, width: int, branch_lengths: list[int]) -> tuple[LookaheadLayout, torch.Tensor]:
+        """The step's block layout and its visibility, built once per shape (a handful of shapes recur)."""
+        key = (levels, width, tuple(branch_lengths))
+        if key not in self._layouts:
+            layout = LookaheadLayout(levels, width, branch_lengths)
+            self._layouts[key] = layout, from_parents(layout.parents, self.model.device)
+        return self._layouts[key]
 
     def _decode(self, state: DecodeState) -> dict:
         if state.prompt.size(0) != 1:
@@ -136,29 +140,33 @@ class LookaheadDecoder(Decoder):
             room = state.max_new_tokens - len(state.out[0])
             branches = [list(c[: room - 1]) for c in pool.get(pending)[: self.guesses]] if room > 1 else []
             branches = [b for b in branches if b]
-            layout = LookaheadLayout(len(levels), len(levels[0]), [len(b) for b in branches])
+            layout, visible = self._layout(len(levels), len(levels[0]), [len(b) for b in branches])
             tokens = [pending] + [t for level in levels for t in level] + [t for b in branches for t in b]
-            depth = torch.tensor(layout.depths, device=device)
+            depth = layout.depths
             if limit is not None:  # window tokens near the end of the context: keep their positions in range
-                depth = torch.minimum(depth, (limit - 1 - state.next_pos[0]).clamp(min=0))
+                last = max(limit - 1 - int(state.next_pos[0]), 0)
+                depth = [min(d, last) for d in depth]
             ids = torch.tensor([tokens], device=device)
-            predicted = state.forward(ids, self._visible(layout, device), depth[None])[0].argmax(-1)
+            # logits only where they are read: the pending token, the window's top level, the branches
+            read = layout.read
+            logits = state.forward(ids, visible, torch.tensor([depth], device=device),
+                                   logits_at=torch.tensor(read, device=device))[0]
+            predicted_list = [-1] * len(layout)
+            for i, t in zip(read, logits.argmax(-1).tolist()):
+                predicted_list[i] = t
 
             # verification branch: the branch with the longest prefix equal to the target's predictions
             best, accepted = -1, 0
             if branches:
                 k = max(len(b) for b in branches)
-                idx = torch.tensor([b + [0] * (k - len(b)) for b in layout.branches], device=device)
-                before = torch.tensor([[0] + b[:-1] + [0] * (k - len(b)) for b in layout.branches], device=device)
-                real = torch.tensor([[i < len(b) for i in range(k)] for b in branches], device=device)
-                lengths = greedy_accept_length(torch.where(real, ids[0][idx], -1), predicted[before]).tolist()
+                lengths = [greedy_accept_length(b, [predicted_list[i] for i in [0] + idx[:-1]])
+                           for b, idx in zip(branches, layout.branches)]
                 best = max(range(len(branches)), key=lambda g: (lengths[g], -g))
                 accepted = lengths[best]
             path = layout.branches[best][:accepted] if best >= 0 else []
-            predicted_list = predicted.tolist()
             commit = branches[best][:accepted] + [predicted_list[path[-1] if path else 0]] if best >= 0 \
                 else [predicted_list[0]]
-            state.keep_path(len(layout), torch.tensor([0] + path, device=device))
+            state.keep_path(len(layout), [0] + path)
             state.commit([commit], advance=[accepted + 1], drafted=[k if best >= 0 else 0])
             steps += 1
 

@@ -8,11 +8,14 @@ Positions are ``start + depth``: tokens at the same depth (tree siblings, parall
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
+@functools.lru_cache(maxsize=256)
 def causal(q: int, device=None) -> torch.Tensor:
-    """Each token sees itself and the tokens before it: a plain block (AR, speculative, Jacobi)."""
+    """Each token sees itself and the tokens before it: a plain block (AR, speculative, Jacobi). Cached: read-only."""
     return torch.ones(q, q, dtype=torch.bool, device=device).tril()
 
 

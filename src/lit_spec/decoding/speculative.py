@@ -56,14 +56,14 @@ class SpeculativeDecoder(Decoder):
             block = torch.tensor([[int(state.pending[0])] + drafts], device=device)
             logits = state.forward(block, causal(gamma + 1, device))[0]          # [gamma + 1, V]
             if self.temperature == 0:
-                target = logits.argmax(-1)
-                n = int(greedy_accept_length(block[:, 1:], target[None])) if gamma else 0
-                extra = int(target[n])
+                target = logits.argmax(-1).tolist()
+                n = greedy_accept_length(drafts, target)
+                extra = target[n]
             else:
                 n, extra = speculative_accept(
                     block[0, 1:], logits_to_probs(draft_logits, self.temperature, self.top_p),
                     logits_to_probs(logits, self.temperature, self.top_p), self.generator)
-            state.keep_block(gamma + 1, (torch.arange(gamma + 1, device=device) <= n)[None])
+            state.keep_prefix(gamma + 1, [n + 1])
             stats = state.stats
             stats.draft_forwards += draft.forwards - forwards
             stats.draft_time += draft.seconds - seconds

@@ -9,6 +9,8 @@ cropped away (when every row rejected them), so the cache always equals the cach
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from lit_spec.decoding import cache as kv
@@ -44,6 +46,9 @@ class DecodeState:
         self.past_valid = attention_mask_2d.bool()
         self.next_pos = attention_mask_2d.sum(-1)          # position id of each active row's pending token
         self.pending: torch.Tensor | None = None
+        self.dtype = next(model.parameters()).dtype
+        # transformers' causal LMs compute logits only where asked (``logits_to_keep``); others get sliced after
+        self.model_selects_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     # ---- forwards -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -52,48 +57,54 @@ class DecodeState:
         mask = self.prompt_mask
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         with self.stats.timed("forward_time", self.prompt.device):
-            out = self.model(input_ids=self.prompt, attention_mask=mask, position_ids=position_ids,
-                             past_key_values=self.cache, use_cache=True)
+            logits = self._run(self.prompt, mask, position_ids, logits_at=torch.tensor([self.prompt.size(1) - 1]))
         self.next_pos = mask.sum(-1)
-        return out.logits[:, -1]
+        return logits[:, -1]
 
     @torch.no_grad()
-    def forward(self, block: torch.Tensor, visible: torch.Tensor, depth: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, block: torch.Tensor, visible: torch.Tensor, depth: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """Feed ``block`` [B, q] (``block[:, 0]`` the pending tokens) with block visibility ``visible``; returns logits
-        [B, q, V]. ``depth`` ([q] or [B, q]) gives positions relative to the pending token (default 0..q-1)."""
+        [B, q, V]. ``depth`` ([q] or [B, q]) gives positions relative to the pending token (default 0..q-1).
+        ``logits_at`` (1-D block offsets): compute the logits of these positions only (``[B, len(logits_at), V]``),
+        sparing the LM head the rows a method does not read."""
         q = block.size(1)
         if depth is None:
             depth = torch.arange(q, device=block.device)
         position_ids = self.next_pos[:, None] + depth
         mask = attention_mask(self.past_valid, visible.to(block.device), self.dtype)
         with self.stats.timed("forward_time", block.device):
-            out = self.model(input_ids=block, attention_mask=mask, position_ids=position_ids,
-                             past_key_values=self.cache, use_cache=True)
+            logits = self._run(block, mask, position_ids, logits_at)
         self.past_valid = torch.cat([self.past_valid, torch.ones_like(block, dtype=torch.bool)], dim=1)
-        return out.logits
+        return logits
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+    def _run(self, ids, mask, position_ids, logits_at: torch.Tensor | None) -> torch.Tensor:
+        kwargs = {}
+        if logits_at is not None and self.model_selects_logits:
+            kwargs["logits_to_keep"] = logits_at.to(ids.device)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                            past_key_values=self.cache, use_cache=True, **kwargs).logits
+        return logits if logits_at is None or self.model_selects_logits else logits[:, logits_at.to(ids.device)]
 
     # ---- committing -----------------------------------------------------------------------------------------
-    def keep_block(self, q: int, keep: torch.Tensor) -> None:
-        """After a forward of ``q`` tokens: ``keep`` [B, q] says which of them stay in the cache (the pending token
-        and the accepted ones); the rest become holes, and trailing holes shared by all rows are cropped."""
-        self.past_valid[:, -q:] = keep
-        kept_any = self.past_valid.any(0)
-        last = int(kept_any.nonzero().max()) + 1 if kept_any.any() else 0
-        if last < self.past_valid.size(1):
-            kv.crop(self.cache, last)
-            self.past_valid = self.past_valid[:, :last]
+    def keep_prefix(self, q: int, kept: list[int]) -> None:
+        """After a forward of ``q`` tokens: row r keeps the first ``kept[r]`` of them in the cache (the pending token
+        and the accepted ones); the rest become holes, and the tail no row kept is cropped away."""
+        start = self.past_valid.size(1) - q
+        for r, k in enumerate(kept):
+            if k < q:
+                self.past_valid[r, start + k:] = False
+        if max(kept) < q:
+            kv.crop(self.cache, start + max(kept))
+            self.past_valid = self.past_valid[:, : start + max(kept)]
 
-    def keep_path(self, q: int, keep: torch.Tensor) -> None:
+    def keep_path(self, q: int, keep: list[int]) -> None:
         """After a forward of ``q`` tokens (batch size 1, tree verification): keep only the block offsets ``keep``
-        (1-D, increasing: the pending token and the accepted path), moved to a contiguous run after the past."""
+        (increasing: the pending token and the accepted path), moved to a contiguous run after the past."""
         start = self.past_valid.size(1) - q
         kv.keep_positions(self.cache, start, keep)
-        self.past_valid = torch.cat([self.past_valid[:, :start],
-                                     self.past_valid.new_ones(self.past_valid.size(0), keep.numel())], dim=1)
+        self.past_valid = self.past_valid[:, : start + len(keep)]
+        self.past_valid[:, start:] = True
 
     def require_single_row(self, method: str) -> None:
         if self.prompt.size(0) != 1:

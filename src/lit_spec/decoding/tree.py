@@ -160,7 +160,7 @@ def verify_tree(state: DecodeState, spec: TreeSpec, tree_tokens: torch.Tensor) -
     path = tree_accept_path(spec.block_parents, block[0].tolist(), target)
     last = path[-1] if path else 0
     tokens = [int(block[0, i]) for i in path] + [target[last]]
-    state.keep_path(block.size(1), torch.tensor([0] + path, device=device))
+    state.keep_path(block.size(1), [0] + path)
     state.commit([tokens], advance=[len(path) + 1], drafted=[spec.depth])
     return TreeStep(tokens, [i - 1 for i in path], logits)
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 import torch
 
 
-def greedy_accept_length(proposal: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
-    """Accepted length per row: ``proposal`` [B, k] against the target's argmax at the positions before each
-    proposed token, ``target_tokens`` [B, >=k]. Counts leading matches."""
-    k = proposal.size(1)
-    match = (proposal == target_tokens[:, :k]).int()
-    return match.cumprod(dim=1).sum(dim=1)
+def greedy_accept_length(proposal: list[int], target_tokens: list[int]) -> int:
+    """How many leading tokens of ``proposal`` equal the target's argmax at the position before each of them
+    (``target_tokens``, at least as long). Plain lists: a handful of tokens per step, compared faster in Python than
+    by a chain of small tensor ops (the tokens are needed on the host to commit anyway)."""
+    n = 0
+    for proposed, target in zip(proposal, target_tokens):
+        if proposed != target:
+            break
+        n += 1
+    return n
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
