@@ -30,16 +30,22 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON atomically (temporary file + rename)."""
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` atomically (temporary file in the same directory, fsync, rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON atomically (temporary file + rename)."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")

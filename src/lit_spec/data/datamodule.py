@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
+from lit_spec.data.metrics import get_metric
 from lit_spec.data.templates import PromptTemplate
 from lit_spec.errors import DataError
 
@@ -34,15 +35,19 @@ class PromptDataModule(L.LightningDataModule):
     """Tokenizes ``template.render(record)`` into ``prompt_ids`` + ``answer_ids`` (+EOS) for every split.
 
     Training batches are right-padded ``input_ids``/``attention_mask``/``labels`` with the prompt masked out of the
-    labels; ``prompt_ids``/``answer_ids`` stay available per record for methods and callbacks that decode.
+    labels; ``prompt_ids``/``answer_ids`` stay available per record for methods and callbacks that decode
+    (``eval_records``). ``metric`` names the task metric (``lit_spec.data.metrics``) that such callbacks score
+    decoded answers with, or is None.
     """
 
     def __init__(self, source, template: PromptTemplate, tokenizer=None, path: str | None = None,
                  batch_size: int = 8,
                  eval_batch_size: int | None = None, max_prompt_tokens: int = 512, max_answer_tokens: int = 512,
                  max_train_samples: int | None = None, max_eval_samples: int | None = None,
-                 num_workers: int = 0, shuffle_seed: int = 0):
+                 num_workers: int = 0, shuffle_seed: int = 0, metric: str | None = None):
         super().__init__()
+        if metric is not None:
+            get_metric(metric)  # an unknown name fails here, before any work
         if path is not None:  # data.path=... replaces the hub id with a local file
             if not hasattr(source, "path"):
                 raise DataError(f"data.path is not supported by {type(source).__name__}")
@@ -52,6 +57,7 @@ class PromptDataModule(L.LightningDataModule):
         self.max_prompt_tokens, self.max_answer_tokens = max_prompt_tokens, max_answer_tokens
         self.max_train_samples, self.max_eval_samples = max_train_samples, max_eval_samples
         self.num_workers, self.shuffle_seed = num_workers, shuffle_seed
+        self.metric = metric
         self.splits: datasets.DatasetDict | None = None
 
     # ---- building -------------------------------------------------------------------------------------------
@@ -95,6 +101,16 @@ class PromptDataModule(L.LightningDataModule):
         if len(out["train"]) == 0:
             raise DataError(f"{name}: no train record fits data.max_prompt_tokens={self.max_prompt_tokens}")
         self.splits = datasets.DatasetDict(out)
+
+    def eval_records(self, split: str, n: int) -> list[dict]:
+        """The first ``n`` records of ``split`` (fewer when it is shorter; none when it is empty or absent) as
+        ``{"prompt_ids": [...], "answer_ids": [...]}``: prompts to decode and the dataset's answers to score."""
+        self.setup()
+        ds = self.splits.get(split)
+        if ds is None:
+            return []
+        ds = ds.select(range(min(n, len(ds))))
+        return [{"prompt_ids": list(r["prompt_ids"]), "answer_ids": list(r["answer_ids"])} for r in ds]
 
     # ---- batches --------------------------------------------------------------------------------------------
     def collate(self, records: list[dict]) -> dict:

@@ -1,3 +1,4 @@
 from lit_spec.methods.ar import ARModule
+from lit_spec.methods.cllm import CLLMModule
 
-__all__ = ["ARModule"]
+__all__ = ["ARModule", "CLLMModule"]

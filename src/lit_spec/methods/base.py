@@ -6,11 +6,16 @@ Contract (see DESIGN.md): a method module owns its trainable parameters, logs ea
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import lightning as L
 import torch
 
 from lit_spec.methods.optim import build_optimizer
 from lit_spec.models import spec_from_dict
+
+if TYPE_CHECKING:
+    from lit_spec.decoding import Decoder
 
 
 class MethodModule(L.LightningModule):
@@ -32,6 +37,11 @@ class MethodModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is None:
             self.model = self.model_spec.load_model().train()  # from_pretrained returns eval mode
+
+    def decoders(self) -> dict[str, Decoder]:
+        """The fast decoders this method trains the model for, by name, built over ``self.model`` (e.g. CLLM's
+        ``{"jacobi": JacobiDecoder(self.model, n_tokens=...)}``); the speedup callback measures each against AR."""
+        return {}
 
     def configure_optimizers(self):
         return build_optimizer(self, self.hparams)

@@ -1,0 +1,127 @@
+"""Gather a Hydra multirun directory into a table and a plot (the shape of CLLM's Table 6 / Figure 3).
+
+    python experiments/sweep_report.py logs/train/multiruns/<date>            # writes sweep.md, sweep.png there
+
+Each job directory holds ``.hydra/overrides.yaml`` (what the sweep set), ``metrics.json`` (final metrics, written
+when training ends) and ``csv/metrics.csv`` (every logged value, with its step). The swept parameters are the
+overrides whose values differ between jobs; the table has one row per job with the speedup callback's final figures,
+and the plot shows speedup, τ and quality against the first swept parameter, plus τ against training steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+COLUMNS = {  # metric key -> table header
+    "speedup/jacobi": "Jacobi speedup",
+    "mean_accepted/jacobi": "τ (tokens/forward)",
+    "fast_forward/jacobi": "fast-forward",
+    "stationary/jacobi": "stationary",
+    "exact_match/jacobi": "Jacobi = AR",
+    "quality/agreement": "agreement with target",
+    "quality/token_agreement": "token agreement",
+    "val/ar": "val AR loss",
+    "val/loss": "val loss",
+    "global_step": "steps",
+}
+
+
+def load_jobs(sweep: Path) -> list[dict]:
+    jobs = []
+    for job in sorted((p for p in sweep.iterdir() if (p / ".hydra" / "overrides.yaml").is_file()),
+                      key=lambda p: int(p.name) if p.name.isdigit() else p.name):
+        overrides = dict(o.split("=", 1) for o in yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
+                         if "=" in o)
+        metrics = json.loads((job / "metrics.json").read_text()) if (job / "metrics.json").is_file() else {}
+        curve = []
+        log = job / "csv" / "metrics.csv"
+        if log.is_file():
+            with log.open() as f:
+                curve = [(int(r["step"]), float(r["mean_accepted/jacobi"])) for r in csv.DictReader(f)
+                         if r.get("mean_accepted/jacobi")]
+        jobs.append({"dir": job.name, "overrides": overrides, "metrics": metrics, "tau_curve": curve})
+    return jobs
+
+
+def swept_keys(jobs: list[dict]) -> list[str]:
+    keys = sorted({k for j in jobs for k in j["overrides"]})
+    return [k for k in keys if len({j["overrides"].get(k) for j in jobs}) > 1] or keys
+
+
+def markdown(jobs: list[dict], keys: list[str]) -> str:
+    present = [m for m in COLUMNS if any(m in j["metrics"] for j in jobs)]
+    lines = ["| job | " + " | ".join(keys + [COLUMNS[m] for m in present]) + " |",
+             "|---" * (1 + len(keys) + len(present)) + "|"]
+    for j in jobs:
+        values = [j["overrides"].get(k, "") for k in keys]
+        for m in present:
+            v = j["metrics"].get(m)
+            values.append("–" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v))
+        lines.append(f"| {j['dir']} | " + " | ".join(values) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(jobs: list[dict], keys: list[str], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x_key, rest = keys[0], keys[1:]
+    groups: dict[tuple, list[dict]] = {}
+    for j in jobs:
+        groups.setdefault(tuple(j["overrides"].get(k) for k in rest), []).append(j)
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    for metric, ax in zip(["speedup/jacobi", "mean_accepted/jacobi", "quality/agreement"], axes):
+        for label, members in groups.items():
+            pts = sorted((_num(j["overrides"].get(x_key)), j["metrics"].get(metric)) for j in members
+                         if j["metrics"].get(metric) is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=", ".join(f"{k}={v}" for k, v in zip(rest, label)) or None)
+        ax.set_xlabel(x_key)
+        ax.set_title(COLUMNS[metric])
+    ax = axes[3]
+    for j in jobs:
+        if j["tau_curve"]:
+            ax.plot(*zip(*j["tau_curve"]), marker=".", label=", ".join(f"{k}={j['overrides'].get(k)}" for k in keys))
+    ax.set_xlabel("training step")
+    ax.set_title("τ during training")
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def _num(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("sweep_dir", type=Path)
+    args = parser.parse_args(argv)
+    jobs = load_jobs(args.sweep_dir) if args.sweep_dir.is_dir() else []
+    if not jobs:
+        print(f"error: {args.sweep_dir}: no Hydra job directories (with .hydra/overrides.yaml) in it", file=sys.stderr)
+        return 2
+    keys = swept_keys(jobs)
+    table = markdown(jobs, keys)
+    (args.sweep_dir / "sweep.md").write_text(table)
+    plot(jobs, keys, args.sweep_dir / "sweep.png")
+    print(table)
+    print(f"wrote {args.sweep_dir / 'sweep.md'} and {args.sweep_dir / 'sweep.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from lit_spec.callbacks.speedup import SpeedupCallback
+
+__all__ = ["SpeedupCallback"]

@@ -1,0 +1,42 @@
+"""Task metrics: ``score(prediction_text, reference_text) -> float`` in [0, 1], by name (``data.metric``).
+
+A datamodule names its metric so that callbacks can check that faster decoding training keeps the task solved,
+not only the tokens of the original model (the speedup callback logs ``quality/<metric>``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+from lit_spec.errors import ConfigError
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+FINAL = re.compile(r"####\s*(" + NUMBER.pattern + ")")
+
+
+def _number(text: str) -> float | None:
+    """GSM8K's answer: the number after ``####``, else the last number in the text (commas are separators)."""
+    final = FINAL.search(text)
+    found = final.group(1) if final else (NUMBER.findall(text) or [None])[-1]
+    return None if found is None else float(found.replace(",", ""))
+
+
+def gsm8k_answer(prediction: str, reference: str) -> float:
+    """1.0 when both texts give the same final number (``1,000`` == ``1000.0``), else 0.0."""
+    pred, ref = _number(prediction), _number(reference)
+    return float(pred is not None and ref is not None and pred == ref)
+
+
+def exact_match(prediction: str, reference: str) -> float:
+    """1.0 when the texts are equal up to whitespace."""
+    return float(prediction.split() == reference.split())
+
+
+METRICS: dict[str, Callable[[str, str], float]] = {"gsm8k_answer": gsm8k_answer, "exact_match": exact_match}
+
+
+def get_metric(name: str) -> Callable[[str, str], float]:
+    if name not in METRICS:
+        raise ConfigError(f"data.metric={name!r}: choose one of {sorted(METRICS)} (or null for none)")
+    return METRICS[name]

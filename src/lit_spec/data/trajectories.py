@@ -1,0 +1,206 @@
+"""The Jacobi trajectory store: what ``python -m lit_spec.collect`` writes and ``method=cllm`` trains on.
+
+On disk (format ``lit_spec.trajectories``, version 1), a directory::
+
+    meta.json                  format, version, the collection settings, "complete" and totals
+    parts/<split>-<batch>.jsonl  one file per collected batch of prompts, one JSON record per line
+
+Each part is written atomically (temporary file + rename) once its whole batch is decoded, so a killed collection
+leaves only complete parts; rerunning skips the batches whose part exists. A record::
+
+    {"id": "train/000042",           # split / index of the prompt in that split
+     "split": "train",
+     "prompt_ids": [...],            # the prompt's token ids
+     "answer_ids": [...],            # the target's complete greedy answer = the blocks' fixed points concatenated
+     "reference_ids": [...],         # the dataset's own answer (for an AR loss on ground truth)
+     "blocks": [{"states": [[...], ...],      # Jacobi trajectory: initial guess ... fixed point (CLLM Alg. 1)
+                 "augmented": [[...], ...]}], # extra states: false tokens corrected at random (§3.2.1)
+     "keep": true,                   # false: dropped by post-processing (repetition), kept for the record
+     "drop_reason": null}            # why it was dropped
+
+Consecutive states of a block differ; a block's states all have its fixed point's length (the last block of an
+answer cut by EOS or ``max_new_tokens`` is shorter than n).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lit_spec.errors import DataError
+from lit_spec.io import write_json, write_text
+
+FORMAT, VERSION = "lit_spec.trajectories", 1
+META = "meta.json"
+PARTS = "parts"
+
+
+# ---- writing ------------------------------------------------------------------------------------------------------
+def part_path(directory: str | Path, split: str, batch: int) -> Path:
+    return Path(directory) / PARTS / f"{split}-{batch:06d}.jsonl"
+
+
+def write_part(directory: str | Path, split: str, batch: int, records: list[dict]) -> None:
+    """All records of one collected batch, in one atomic write."""
+    write_text(part_path(directory, split, batch), "".join(json.dumps(r, separators=(",", ":")) + "\n"
+                                                        for r in records))
+
+
+def done_batches(directory: str | Path, split: str) -> set[int]:
+    """Batches of ``split`` whose part is on disk (complete: parts are renamed into place only when written)."""
+    parts = Path(directory) / PARTS
+    return {int(p.stem.rsplit("-", 1)[1]) for p in parts.glob(f"{split}-*.jsonl")} if parts.is_dir() else set()
+
+
+def write_meta(directory: str | Path, config: dict, complete: bool, stats: dict | None = None) -> None:
+    write_json(Path(directory) / META, {"format": FORMAT, "version": VERSION, "config": config,
+                                        "complete": complete, "stats": stats or {}})
+
+
+# ---- reading ------------------------------------------------------------------------------------------------------
+def read_meta(directory: str | Path) -> dict:
+    path = Path(directory) / META
+    if not path.is_file():
+        raise DataError(f"{directory}: not a trajectory directory (no {META}); collect one with "
+                        "`python -m lit_spec.collect`")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e}); delete the directory and collect again") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise DataError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}, expected "
+                        f"{FORMAT!r} version {VERSION}; collect again with this version of lit_spec")
+    return meta
+
+
+def _ids(value, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise ValueError(f"{what} must be a list of token ids")
+    return value
+
+
+def check_record(record) -> dict:
+    """Raise ValueError naming the first field that breaks the format; return the record."""
+    if not isinstance(record, dict):
+        raise ValueError("a record must be a JSON object")
+    for key in ("id", "split", "prompt_ids", "answer_ids", "reference_ids", "blocks", "keep"):
+        if key not in record:
+            raise ValueError(f"missing field {key!r}")
+    if not _ids(record["prompt_ids"], "prompt_ids"):
+        raise ValueError("prompt_ids is empty")
+    _ids(record["answer_ids"], "answer_ids")
+    _ids(record["reference_ids"], "reference_ids")
+    if not isinstance(record["blocks"], list):
+        raise ValueError("blocks must be a list")
+    answer: list[int] = []
+    for b, block in enumerate(record["blocks"]):
+        states = block.get("states") if isinstance(block, dict) else None
+        if not isinstance(states, list) or not states:
+            raise ValueError(f"blocks[{b}].states must be a non-empty list of states")
+        augmented = block.get("augmented", [])
+        if not isinstance(augmented, list):
+            raise ValueError(f"blocks[{b}].augmented must be a list of states")
+        fixed = _ids(states[-1], f"blocks[{b}].states[-1]")
+        for s, state in enumerate(states + augmented):
+            if len(_ids(state, f"blocks[{b}] state {s}")) != len(fixed):
+                raise ValueError(f"blocks[{b}] state {s} has {len(state)} tokens, its fixed point {len(fixed)}")
+        answer += fixed
+    if answer != record["answer_ids"]:
+        raise ValueError("answer_ids differ from the blocks' fixed points concatenated")
+    return record
+
+
+def read_records(directory: str | Path, split: str | None = None, include_dropped: bool = False,
+                 require_complete: bool = True) -> list[dict]:
+    """Every record of a collected directory (one split or all), in a fixed order (split, batch, line).
+
+    A corrupt or truncated part raises ``DataError`` naming the file and line. ``require_complete=False`` reads an
+    unfinished collection (the collector does, to check its parts before marking the directory complete).
+    """
+    meta = read_meta(directory)
+    if require_complete and not meta.get("complete"):
+        raise DataError(f"{directory}: the collection is not complete; rerun the same `python -m lit_spec.collect` "
+                        "command to finish it (it resumes)")
+    records = []
+    for path in sorted((Path(directory) / PARTS).glob(f"{split or '*'}-*.jsonl")):
+        text = path.read_text()
+        if text and not text.endswith("\n"):
+            raise DataError(f"{path}:{text.count(chr(10)) + 1}: truncated record (no end of line); delete this "
+                            "file and rerun the collection to redo its batch")
+        for line_no, line in enumerate(text.splitlines(), 1):
+            try:
+                record = check_record(json.loads(line))
+            except (json.JSONDecodeError, ValueError) as e:
+                raise DataError(f"{path}:{line_no}: bad trajectory record: {e}; delete this file and rerun the "
+                                "collection to redo its batch") from None
+            if record["keep"] or include_dropped:
+                records.append(record)
+    return records
+
+
+# ---- augmentation and post-processing ----------------------------------------------------------------------------
+def augment_states(states: list[list[int]], copies: int, prob: float, generator: torch.Generator) -> list[list[int]]:
+    """CLLM §3.2.1 data augmentation: for each intermediate state (not the fixed point), ``copies`` variants where
+    every false token is corrected (set to the fixed point's token) with probability ``prob``. Variants equal to a
+    state already in the trajectory or to the fixed point are skipped."""
+    fixed = states[-1]
+    seen = {tuple(s) for s in states}
+    out = []
+    for state in states[:-1]:
+        wrong = [i for i, (a, b) in enumerate(zip(state, fixed)) if a != b]
+        for _ in range(copies):
+            flips = torch.rand(len(wrong), generator=generator).lt(prob).tolist()
+            variant = list(state)
+            for i, flip in zip(wrong, flips):
+                if flip:
+                    variant[i] = fixed[i]
+            if tuple(variant) not in seen:
+                seen.add(tuple(variant))
+                out.append(variant)
+    return out
+
+
+@dataclass
+class RepetitionFilter:
+    """CLLM §3.2.1 post-processing: a rule-based detector of token- and sentence-level repetition.
+
+    A target answer is dropped when a token repeats ``max_token_run`` times in a row, an n-gram of
+    ``ngram_size`` tokens occurs ``max_ngram_count`` times, or a line (stripped, at least ``min_line_chars``
+    characters) occurs ``max_line_count`` times. ``null`` switches a rule off.
+    """
+
+    max_token_run: int | None = 8
+    ngram_size: int = 6
+    max_ngram_count: int | None = 4
+    max_line_count: int | None = 3
+    min_line_chars: int = 8
+
+    def reason(self, answer_ids: list[int], text: str) -> str | None:
+        """Why ``answer_ids`` (decoded: ``text``) is dropped, or None to keep it."""
+        if self.max_token_run:
+            run = 1
+            for a, b in zip(answer_ids, answer_ids[1:]):
+                run = run + 1 if a == b else 1
+                if run >= self.max_token_run:
+                    return f"token {a} repeated {run} times in a row"
+        if self.max_ngram_count:
+            counts: dict[tuple, int] = {}
+            n = self.ngram_size
+            for i in range(len(answer_ids) - n + 1):
+                gram = tuple(answer_ids[i: i + n])
+                counts[gram] = counts.get(gram, 0) + 1
+                if counts[gram] >= self.max_ngram_count:
+                    return f"{n}-gram {list(gram)} occurs {counts[gram]} times"
+        if self.max_line_count:
+            counts = {}
+            for line in (x.strip() for x in re.split(r"[\r\n]+", text)):
+                if len(line) >= self.min_line_chars:
+                    counts[line] = counts.get(line, 0) + 1
+                    if counts[line] >= self.max_line_count:
+                        return f"line {line[:40]!r} occurs {counts[line]} times"
+        return None

@@ -1,0 +1,241 @@
+"""``data=trajectories``: CLLM training batches (Kou et al. 2024, Algorithm 2) from a collected Jacobi trajectory
+directory (``lit_spec.data.trajectories``, written by ``python -m lit_spec.collect``).
+
+One training item per (record, block), as Algorithm 1 appends one (x, J) per block: with the context
+c = prompt + the fixed points of the record's earlier blocks, a state y of the block's trajectory J drawn at random
+(uniform over its states but the fixed point y*, plus the augmented states when ``use_augmented``; a block that is
+already at its fixed point gives y = y*), the item holds
+
+- ``input_ids`` = c + y (the student's input), ``teacher_ids`` = c + y* (global teacher, eq. 4) and
+  ``local_teacher_ids`` = c + y^(j+1) (local teacher, eq. 5; y* for an augmented state), all of one length, with
+  ``attention_mask``;
+- ``consistency_mask``: the positions whose next-token distributions are compared, from c's last token to the one
+  before the block's last token: the n predictions of the block's n tokens (eq. 4: token i given y_<i and x);
+- ``ar_input_ids`` / ``ar_attention_mask`` / ``ar_labels``: prompt + l for the AR loss (eq. 6), l being the target's
+  generated answer (``ar_target: generated``, the paper's) or the dataset's answer (``dataset``), prompt masked.
+
+The states are drawn with a generator seeded by (seed, epoch, item index): reproducible, new states every epoch;
+validation always uses epoch 0 and the items in order. ``num_tokens`` (throughput) counts the student's tokens only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from lit_spec.data.datamodule import IGNORE_INDEX
+from lit_spec.data.metrics import get_metric
+from lit_spec.data.trajectories import read_records
+from lit_spec.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+AR_TARGETS = ("generated", "dataset")
+VAL_FRACTION = 0.05  # held out from train when the collection has no validation split
+
+
+def student_pool(block: dict, use_augmented: bool = True) -> list[tuple[list[int], list[int]]]:
+    """(student state, local teacher state) pairs a block's item draws from: (y^(j), y^(j+1)) for every state but the
+    fixed point, then (augmented state, y*); [(y*, y*)] when the trajectory is its fixed point alone."""
+    states = block["states"]
+    fixed = states[-1]
+    pool = [(states[j], states[j + 1]) for j in range(len(states) - 1)]
+    if use_augmented:
+        pool += [(state, fixed) for state in block.get("augmented", [])]
+    return pool or [(fixed, fixed)]
+
+
+def consistency_item(record: dict, block: int, choice: int, use_augmented: bool = True,
+                     max_context_tokens: int | None = None) -> dict:
+    """Token lists for block ``block`` of ``record`` with the student state ``student_pool(...)[choice]``."""
+    offset = sum(len(b["states"][-1]) for b in record["blocks"][:block])
+    context = record["prompt_ids"] + record["answer_ids"][:offset]
+    if max_context_tokens is not None:
+        context = context[-max_context_tokens:]                         # left-truncate, keep the block
+    student, local = student_pool(record["blocks"][block], use_augmented)[choice]
+    fixed = record["blocks"][block]["states"][-1]
+    start = len(context) - 1                                            # logits here predict the block's 1st token
+    return {"student": context + student, "teacher": context + fixed, "local_teacher": context + local,
+            "mask": (start, start + len(fixed))}
+
+
+def ar_item(record: dict, ar_target: str = "generated", max_context_tokens: int | None = None) -> dict:
+    """Eq. 6's sequence: prompt + the answer (generated: the target's l; dataset: the reference), prompt masked."""
+    prompt = record["prompt_ids"]
+    if max_context_tokens is not None:
+        prompt = prompt[-max_context_tokens:]
+    answer = record["answer_ids"] if ar_target == "generated" else record["reference_ids"]
+    return {"ids": prompt + answer, "labels": [IGNORE_INDEX] * len(prompt) + answer}
+
+
+class _Items(Dataset):
+    """(record, block) items; ``dataset[(index, epoch)]`` draws the item's student state for that epoch."""
+
+    def __init__(self, records: list[dict], seed: int, use_augmented: bool, max_context_tokens: int | None,
+                 ar_target: str):
+        self.records, self.seed = records, seed
+        self.use_augmented, self.max_context_tokens, self.ar_target = use_augmented, max_context_tokens, ar_target
+        self.items = [(r, b) for r, record in enumerate(records) for b, block in enumerate(record["blocks"])
+                      if block["states"][-1]]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict:
+        index, epoch = key
+        r, b = self.items[index]
+        record = self.records[r]
+        size = len(student_pool(record["blocks"][b], self.use_augmented))
+        generator = torch.Generator().manual_seed(hash((self.seed, epoch, index)) % 2**63)
+        choice = int(torch.randint(size, (1,), generator=generator))
+        return {**consistency_item(record, b, choice, self.use_augmented, self.max_context_tokens),
+                "ar": ar_item(record, self.ar_target, self.max_context_tokens)}
+
+
+class EpochSampler(Sampler):
+    """Yields (index, epoch): a permutation seeded by (seed, epoch) when shuffling; the items in order with epoch 0
+    otherwise (validation sees the same states every time). Lightning calls ``set_epoch`` (also through its DDP
+    sampler wrapper)."""
+
+    def __init__(self, size: int, seed: int = 0, shuffle: bool = True):
+        self.size, self.seed, self.shuffle, self.epoch = size, seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        if not self.shuffle:
+            return ((i, 0) for i in range(self.size))
+        generator = torch.Generator().manual_seed(hash((self.seed, self.epoch)) % 2**63)
+        return ((i, self.epoch) for i in torch.randperm(self.size, generator=generator).tolist())
+
+
+@dataclass
+class TrajectorySource:
+    """What the training log names as the data source."""
+
+    path: str | None
+
+    def describe(self) -> str:
+        return f"Jacobi trajectories {self.path}"
+
+
+class TrajectoryDataModule(L.LightningDataModule):
+    """Args:
+        tokenizer: the model's (its pad token pads; the speedup callback decodes with it).
+        path: a collected trajectory directory; null: collect (or reuse the cached collection) with ``collect``.
+        collect: overrides for ``conf/collect.yaml`` used when ``path`` is null; cache_dir: where collections live.
+        batch_size, eval_batch_size: items (blocks) per batch.
+        use_augmented: augmented states (§3.2.1) join the states a student input is drawn from.
+        max_context_tokens: left-truncate the context before a block (and the prompt of the AR sequence).
+        ar_target: ``generated`` (the target's answer l, eq. 6) or ``dataset`` (the reference answer).
+        metric: the task metric callbacks score decoded answers with (``lit_spec.data.metrics``), or null.
+        num_workers, seed: data loading; the seed of the shuffling and of the states drawn.
+    """
+
+    def __init__(self, tokenizer=None, path: str | None = None, collect: list[str] | None = None,
+                 cache_dir: str | None = None, batch_size: int = 8, eval_batch_size: int | None = None,
+                 use_augmented: bool = True, max_context_tokens: int | None = None, ar_target: str = "generated",
+                 metric: str | None = None, num_workers: int = 0, seed: int = 0):
+        super().__init__()
+        if ar_target not in AR_TARGETS:
+            raise ConfigError(f"data.ar_target={ar_target!r}: choose one of {list(AR_TARGETS)}")
+        if max_context_tokens is not None and max_context_tokens < 1:
+            raise ConfigError(f"data.max_context_tokens={max_context_tokens}: must be >= 1 (or null: no limit)")
+        if path is None and not collect:
+            raise ConfigError("data=trajectories: set data.path (a collected directory) or data.collect (overrides "
+                              "for conf/collect.yaml)")
+        if metric is not None:
+            get_metric(metric)
+        self.tokenizer, self.path, self.collect, self.cache_dir = tokenizer, path, collect, cache_dir
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
+        self.use_augmented, self.max_context_tokens, self.ar_target = use_augmented, max_context_tokens, ar_target
+        self.metric, self.num_workers, self.seed = metric, num_workers, seed
+        self.source = TrajectorySource(path)
+        self.records: dict[str, list[dict]] | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.records is not None:
+            return
+        if self.path is None:
+            from lit_spec.collection import cached_trajectories  # the collection stage (imports decoding)
+
+            if self.cache_dir is None:
+                raise ConfigError("data.cache_dir is needed to collect trajectories (data.path is null)")
+            self.path = str(cached_trajectories(list(self.collect), self.cache_dir))
+            self.source = TrajectorySource(self.path)
+        train = read_records(self.path, "train")
+        if not any(block["states"][-1] for r in train for block in r["blocks"]):
+            raise DataError(f"{self.path}: no train record with a Jacobi trajectory; collect more prompts "
+                            "(or check the post-processing, which drops repetitive answers)")
+        val = read_records(self.path, "validation")
+        if not val:
+            n, k = len(train), max(1, math.ceil(VAL_FRACTION * len(train)))
+            if n > k:
+                train, val = train[:-k], train[-k:]
+                log.info("%s: no validation split; holding out the last %d of its %d train records", self.path, k, n)
+            else:
+                val = train
+                log.info("%s: no validation split; validating on its %d train records (too few to hold out)",
+                         self.path, n)
+        self.records = {"train": train, "validation": val}
+
+    def eval_records(self, split: str, n: int) -> list[dict]:
+        """The first ``n`` records of ``split`` (none when it is empty or absent) as ``{"prompt_ids", "answer_ids"}``
+        with the dataset's answers (``reference_ids``): prompts to decode and answers to score."""
+        self.setup()
+        records = self.records.get(split)
+        if records is None:
+            records = read_records(self.path, split)
+        return [{"prompt_ids": list(r["prompt_ids"]), "answer_ids": list(r["reference_ids"])} for r in records[:n]]
+
+    # ---- batches --------------------------------------------------------------------------------------------
+    @property
+    def pad_token_id(self) -> int:
+        tok = self.tokenizer
+        pad = None if tok is None else (tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        return 0 if pad is None else pad
+
+    def collate(self, items: list[dict]) -> dict:
+        pad, rows = self.pad_token_id, len(items)
+        width = max(len(it["student"]) for it in items)
+        ar_width = max(len(it["ar"]["ids"]) for it in items)
+        batch = {key: torch.full((rows, width), pad, dtype=torch.long)
+                 for key in ("input_ids", "teacher_ids", "local_teacher_ids")}
+        batch["attention_mask"] = torch.zeros((rows, width), dtype=torch.long)
+        batch["consistency_mask"] = torch.zeros((rows, width), dtype=torch.bool)
+        batch["ar_input_ids"] = torch.full((rows, ar_width), pad, dtype=torch.long)
+        batch["ar_attention_mask"] = torch.zeros((rows, ar_width), dtype=torch.long)
+        batch["ar_labels"] = torch.full((rows, ar_width), IGNORE_INDEX, dtype=torch.long)
+        for i, it in enumerate(items):
+            size = len(it["student"])
+            for key, seq in (("input_ids", "student"), ("teacher_ids", "teacher"),
+                             ("local_teacher_ids", "local_teacher")):
+                batch[key][i, :size] = torch.tensor(it[seq])
+            batch["attention_mask"][i, :size] = 1
+            batch["consistency_mask"][i, slice(*it["mask"])] = True
+            ar = it["ar"]
+            batch["ar_input_ids"][i, : len(ar["ids"])] = torch.tensor(ar["ids"], dtype=torch.long)
+            batch["ar_attention_mask"][i, : len(ar["ids"])] = 1
+            batch["ar_labels"][i, : len(ar["ids"])] = torch.tensor(ar["labels"], dtype=torch.long)
+        return batch
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        items = _Items(self.records[split], self.seed, self.use_augmented, self.max_context_tokens, self.ar_target)
+        return DataLoader(items, batch_size=self.batch_size if shuffle else self.eval_batch_size,
+                          sampler=EpochSampler(len(items), self.seed, shuffle), collate_fn=self.collate,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("validation", shuffle=False)

@@ -1,0 +1,59 @@
+"""Distances between a teacher's and a student's next-token distributions, shared by every method.
+
+``distance(student_logits, teacher_logits, mask, kind)`` compares the two at the positions ``mask`` marks and returns
+the per-sequence SUM over those positions (CLLM eq. 4 sums over the block's n positions), averaged over the
+batch rows that have any. The teacher is detached inside: it is the stop-gradient model q_θ− of CLLM eq. 4-5.
+
+Kinds (p: teacher, q: student, per position, over the vocabulary):
+- ``forward_kl``: KL(p‖q), CLLM's D(q_θ−‖q_θ) and the paper's default (§3.2.2, "we primarily experiment with the
+  forward KL");
+- ``reverse_kl``: KL(q‖p);
+- ``jsd``: the generalized Jensen-Shannon divergence of GKD (Agarwal et al. 2023), with the teacher first:
+  JSD(β) = β·KL(p‖m) + (1-β)·KL(q‖m), m = β·p + (1-β)·q. β=0.5 is the symmetric JSD; β must lie in (0, 1)
+  (at 0 or 1, m equals one of the two and the divergence is identically 0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lit_spec.errors import ConfigError
+
+DISTANCES = ("forward_kl", "reverse_kl", "jsd")
+
+
+def check_distance(kind: str, beta: float = 0.5) -> None:
+    if kind not in DISTANCES:
+        raise ConfigError(f"distance={kind!r}: choose one of {list(DISTANCES)}")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 < beta < 1:
+        raise ConfigError(f"jsd_beta={beta!r}: must be a number in (0, 1) (0.5: the symmetric JSD)")
+
+
+def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(p‖q) over the last dimension from log-probabilities; 0·log 0 = 0."""
+    p = log_p.exp()
+    return torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
+
+
+def distance(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
+             kind: str = "forward_kl", beta: float = 0.5) -> torch.Tensor:
+    """Args: logits [B, T, V] (teacher detached here), mask [B, T] bool. Returns a scalar (see the module doc)."""
+    check_distance(kind, beta)
+    mask = mask.bool()
+    rows = mask.nonzero()[:, 0]                                        # batch row of every compared position
+    log_q = student_logits[mask].float().log_softmax(-1)               # [N, V]: only the compared positions
+    log_p = teacher_logits.detach()[mask].float().log_softmax(-1)
+    if kind == "forward_kl":
+        d = _kl(log_p, log_q)
+    elif kind == "reverse_kl":
+        d = _kl(log_q, log_p)
+    else:
+        log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
+        d = beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
+    present = mask.any(-1)
+    if not present.any():                                              # nothing to compare: 0, still in the graph
+        return student_logits.sum() * 0.0
+    per_sequence = torch.zeros(mask.size(0), device=d.device, dtype=d.dtype).index_add(0, rows, d)
+    return per_sequence[present].mean()

@@ -1,0 +1,279 @@
+"""CLLM (method=cllm, data=trajectories): the distances against hand formulas, the batches built from a hand-written
+trajectory directory, and training end to end on the micro model."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import MICRO_MODEL, make_config
+from lit_spec.config import build
+from lit_spec.data import IGNORE_INDEX, TrajectoryDataModule
+from lit_spec.data.trajectories import write_meta, write_part
+from lit_spec.data.trajectory_data import EpochSampler, consistency_item, student_pool
+from lit_spec.errors import ConfigError, DataError
+from lit_spec.methods import CLLMModule
+from lit_spec.methods.losses import distance
+from lit_spec.training import run_training
+
+
+# ---- distances ----------------------------------------------------------------------------------------------------
+def _kl(p: list[float], q: list[float]) -> float:
+    return sum(a * math.log(a / b) for a, b in zip(p, q) if a > 0)
+
+
+def _manual(student, teacher, mask, kind, beta=0.5) -> float:
+    """The module doc's formulas with plain floats: per-row sums over the masked positions, mean over used rows."""
+    sums = []
+    for b in range(student.size(0)):
+        if not mask[b].any():
+            continue
+        total = 0.0
+        for t in range(student.size(1)):
+            if mask[b, t]:
+                q, p = student[b, t].softmax(-1).tolist(), teacher[b, t].softmax(-1).tolist()
+                if kind == "forward_kl":
+                    total += _kl(p, q)
+                elif kind == "reverse_kl":
+                    total += _kl(q, p)
+                else:
+                    m = [beta * a + (1 - beta) * c for a, c in zip(p, q)]
+                    total += beta * _kl(p, m) + (1 - beta) * _kl(q, m)
+        sums.append(total)
+    return sum(sums) / len(sums)
+
+
+@pytest.fixture
+def logits():
+    g = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(3, 4, 5, generator=g) * 2, torch.randn(3, 4, 5, generator=g) * 2
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)  # row 2: nothing compared
+    return student, teacher, mask
+
+
+@pytest.mark.parametrize("kind, beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.5), ("jsd", 0.2)])
+def test_distances_match_hand_formulas(logits, kind, beta):
+    student, teacher, mask = logits
+    got = distance(student, teacher, mask, kind, beta)
+    assert got.item() == pytest.approx(_manual(student, teacher, mask, kind, beta), rel=1e-5)
+
+
+def test_direction_symmetry_and_masking(logits):
+    student, teacher, mask = logits
+    forward, reverse = distance(student, teacher, mask, "forward_kl"), distance(student, teacher, mask, "reverse_kl")
+    assert forward.item() != pytest.approx(reverse.item(), rel=1e-3)
+    # swapping the roles swaps the KL directions; the β=0.5 JSD is symmetric, β=0.2 is not
+    assert distance(teacher, student, mask, "reverse_kl").item() == pytest.approx(forward.item(), rel=1e-5)
+    assert distance(teacher, student, mask, "jsd").item() == pytest.approx(
+        distance(student, teacher, mask, "jsd").item(), rel=1e-5)
+    assert distance(teacher, student, mask, "jsd", 0.2).item() != pytest.approx(
+        distance(student, teacher, mask, "jsd", 0.2).item(), rel=1e-3)
+    # positions outside the mask (and rows without any) do not count
+    changed = student.clone()
+    changed[0, 0] += 5
+    changed[0, 3] -= 5
+    changed[2] = 100.0
+    assert distance(changed, teacher, mask).item() == pytest.approx(forward.item(), rel=1e-6)
+    assert distance(teacher, teacher, mask).item() == pytest.approx(0.0, abs=1e-6)
+    assert distance(student, teacher, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_teacher_is_stop_gradient(logits):
+    student, teacher, mask = (x.clone() for x in logits)
+    student.requires_grad_(True)
+    teacher.requires_grad_(True)
+    for kind in ("forward_kl", "reverse_kl", "jsd"):
+        student.grad = None
+        distance(student, teacher, mask, kind).backward()
+        assert teacher.grad is None, kind
+        assert student.grad is not None and student.grad[mask].abs().sum() > 0
+        assert student.grad[~mask].abs().sum() == 0
+
+
+def test_bad_distance_is_a_config_error(logits):
+    with pytest.raises(ConfigError, match="distance='l2'"):
+        distance(*logits, kind="l2")
+    with pytest.raises(ConfigError, match="jsd_beta"):
+        distance(*logits, kind="jsd", beta=1.0)
+
+
+# ---- a hand-written trajectory directory --------------------------------------------------------------------------
+def _record(i: int, split: str = "train") -> dict:
+    o = 10 * i  # token ids < 512 (the micro model's vocabulary)
+    first = {"states": [[100 + o, 101 + o, 102 + o], [200 + o, 101 + o, 102 + o], [200 + o, 201 + o, 102 + o],
+                        [200 + o, 201 + o, 202 + o]],
+             "augmented": [[200 + o, 101 + o, 202 + o]]}
+    second = {"states": [[300 + o, 301 + o]], "augmented": []}  # already at its fixed point; a short last block
+    return {"id": f"{split}/{i:06d}", "split": split, "prompt_ids": [5 + i, 6, 7],
+            "answer_ids": [200 + o, 201 + o, 202 + o, 300 + o, 301 + o], "reference_ids": [400 + o, 401 + o],
+            "blocks": [first, second], "keep": True, "drop_reason": None}
+
+
+def write_trajectories(directory: Path, train: int = 3, validation: int = 0) -> Path:
+    write_part(directory, "train", 0, [_record(i) for i in range(train)])
+    if validation:
+        write_part(directory, "validation", 0, [_record(i, "validation") for i in range(validation)])
+    write_meta(directory, {"n_tokens": 3}, complete=True)
+    return directory
+
+
+def test_items_for_a_known_state():
+    record = _record(0)
+    assert student_pool(record["blocks"][0]) == [
+        ([100, 101, 102], [200, 101, 102]), ([200, 101, 102], [200, 201, 102]), ([200, 201, 102], [200, 201, 202]),
+        ([200, 101, 202], [200, 201, 202])]                                   # augmented: local teacher is y*
+    assert len(student_pool(record["blocks"][0], use_augmented=False)) == 3
+    assert student_pool(record["blocks"][1]) == [([300, 301], [300, 301])]  # student = teacher
+
+    item = consistency_item(record, 0, 1)
+    assert item["student"] == [5, 6, 7, 200, 101, 102]
+    assert item["teacher"] == [5, 6, 7, 200, 201, 202]
+    assert item["local_teacher"] == [5, 6, 7, 200, 201, 102]
+    assert item["mask"] == (2, 5)                   # logits at 2, 3, 4 predict the block's tokens at 3, 4, 5
+
+    item = consistency_item(record, 1, 0)           # context: the prompt + the first block's fixed point
+    assert item["student"] == item["teacher"] == item["local_teacher"] == [5, 6, 7, 200, 201, 202, 300, 301]
+    assert item["mask"] == (5, 7)
+    item = consistency_item(record, 1, 0, max_context_tokens=2)
+    assert item["student"] == [201, 202, 300, 301] and item["mask"] == (1, 3)
+
+
+def test_batches_from_a_trajectory_directory(tmp_path):
+    dm = TrajectoryDataModule(path=str(write_trajectories(tmp_path / "traj")), batch_size=4, seed=3)
+    dm.setup()
+    # no validation split: the last 5% of train records (at least one) are held out
+    assert [r["id"] for r in dm.records["train"]] == ["train/000000", "train/000001"]
+    assert [r["id"] for r in dm.records["validation"]] == ["train/000002"]
+
+    batches = list(dm.train_dataloader())
+    assert [b["input_ids"].size(0) for b in batches] == [4]      # 2 records x 2 blocks
+    seen = set()
+    for b in batches:
+        for i in range(b["input_ids"].size(0)):
+            real = b["attention_mask"][i].bool()
+            student, teacher = b["input_ids"][i][real].tolist(), b["teacher_ids"][i][real].tolist()
+            local = b["local_teacher_ids"][i][real].tolist()
+            rec = next(r for r in dm.records["train"] if student[: 3] == r["prompt_ids"])
+            positions = b["consistency_mask"][i].nonzero()[:, 0].tolist()
+            start, size = positions[0], len(positions)
+            assert positions == list(range(start, start + size)) and not b["consistency_mask"][i][~real].any()
+            assert len(student) == start + 1 + size == len(teacher) == len(local)
+            context, block = student[: start + 1], teacher[start + 1:]
+            assert context == (rec["prompt_ids"] + rec["answer_ids"])[: start + 1]
+            blk = next(k for k, x in enumerate(rec["blocks"]) if x["states"][-1] == block)
+            assert (student[start + 1:], local[start + 1:]) in student_pool(rec["blocks"][blk])
+            seen.add((rec["id"], blk))
+            # the AR sequence: prompt + generated answer, prompt masked
+            ar = b["ar_input_ids"][i][b["ar_attention_mask"][i].bool()].tolist()
+            assert ar == rec["prompt_ids"] + rec["answer_ids"]
+            labels = b["ar_labels"][i][: len(ar)].tolist()
+            assert labels == [IGNORE_INDEX] * 3 + rec["answer_ids"]
+    assert len(seen) == 4
+
+    # reproducible: the same epoch draws the same states, and validation is fixed
+    again = next(iter(dm.train_dataloader()))
+    assert all(torch.equal(again[k], batches[0][k]) for k in again)
+    val = [next(iter(dm.val_dataloader())) for _ in range(2)]
+    assert torch.equal(val[0]["input_ids"], val[1]["input_ids"])
+    draws = set()
+    sampler = EpochSampler(4, seed=3)
+    for epoch in range(8):
+        sampler.set_epoch(epoch)
+        draws.add(tuple(tuple(dm.collate([dm.train_dataloader().dataset[k]])["input_ids"][0].tolist())
+                        for k in sorted(sampler)))
+    assert len(draws) > 1, "every epoch draws its states anew"
+
+    # the dataset's answers for the AR loss, and for decoding callbacks
+    ds = TrajectoryDataModule(path=dm.path, ar_target="dataset")
+    ds.setup()
+    b = next(iter(ds.train_dataloader()))
+    assert (b["ar_labels"] != IGNORE_INDEX).sum(-1).tolist() == [2, 2, 2, 2]
+    assert dm.eval_records("validation", 5) == [{"prompt_ids": [7, 6, 7], "answer_ids": [420, 421]}]
+    assert dm.eval_records("test", 5) == []
+
+
+def test_validation_split_and_errors(tmp_path):
+    dm = TrajectoryDataModule(path=str(write_trajectories(tmp_path / "a", train=2, validation=1)))
+    dm.setup()
+    assert len(dm.records["train"]) == 2 and [r["id"] for r in dm.records["validation"]] == ["validation/000000"]
+
+    empty = tmp_path / "empty"
+    write_meta(empty, {}, complete=True)
+    with pytest.raises(DataError, match=str(empty)):
+        TrajectoryDataModule(path=str(empty)).setup()
+    with pytest.raises(ConfigError, match="ar_target"):
+        TrajectoryDataModule(path=str(empty), ar_target="teacher")
+    with pytest.raises(ConfigError, match="data.path"):
+        TrajectoryDataModule(path=None, collect=None)
+
+
+# ---- the method ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, match", [({"distance": "l1"}, "distance"), ({"consistency": "both"}, "consistency"),
+                                           ({"ar_weight": -1.0}, "ar_weight"), ({"jsd_beta": 0.0}, "jsd_beta"),
+                                           ({"n_tokens": 0}, "n_tokens"), ({"ar_target": "x"}, "ar_target")])
+def test_bad_hparams_are_config_errors(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        CLLMModule(None, **kwargs)
+
+
+def test_losses_pick_the_teacher_and_follow_eq_7():
+    from random_models import random_model
+
+    ids = torch.tensor([[3, 4, 5, 10, 11, 12]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "teacher_ids": torch.tensor([[3, 4, 5, 20, 21, 22]]), "local_teacher_ids": ids.clone(),
+             "consistency_mask": torch.tensor([[False, False, True, True, True, False]]),
+             "ar_input_ids": torch.tensor([[3, 4, 5, 20, 21, 22]]), "ar_attention_mask": torch.ones_like(ids),
+             "ar_labels": torch.tensor([[IGNORE_INDEX] * 3 + [20, 21, 22]])}
+    found = {}
+    for consistency in ("global", "local"):
+        module = CLLMModule(SimpleNamespace(to_dict=dict), consistency=consistency, ar_weight=0.5)
+        module.model = random_model().train()
+        module.log = lambda *a, **k: None
+        found[consistency] = module._losses(batch)
+        loss = module.training_step(batch, 0)
+        assert loss.item() == pytest.approx(found[consistency][0].item() + 0.5 * found[consistency][1].item())
+        loss.backward()
+        assert all(p.grad is not None for p in module.model.parameters() if p.requires_grad)
+    assert found["global"][0].item() > 1e-3
+    assert found["local"][0].item() == pytest.approx(0.0, abs=1e-6)  # its teacher input is the student's
+    assert found["global"][1].item() == pytest.approx(found["local"][1].item())
+
+
+def _logged(run_dir: Path, key: str) -> list[float]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
+
+
+@pytest.mark.parametrize("consistency", ["global", "local"])
+def test_cllm_trains_end_to_end(tmp_path, consistency):
+    traj = write_trajectories(tmp_path / "traj", train=4)
+    cfg = make_config(tmp_path / "run", [
+        *MICRO_MODEL, "method=cllm", "data=trajectories", f"data.path={traj}", "data.batch_size=2",
+        "method.n_tokens=4", f"method.consistency={consistency}", "method.lr=3e-3", "trainer.max_steps=4",
+        "trainer.val_check_interval=2", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
+        "trainer.log_every_n_steps=1", "callbacks.throughput.window_size=2"])
+    metrics = run_training(cfg)
+    assert metrics["global_step"] == 4
+    run = Path(cfg.paths.output_dir)
+    for key in ("train/consistency", "train/ar", "train/loss", "val/consistency", "val/ar", "val/loss"):
+        values = _logged(run, key)
+        assert values and all(math.isfinite(v) and v >= 0 for v in values), (key, values)
+    assert _logged(run, "train/ar")[0] > 1.0  # ~ln(512) before training
+    loss, cons, ar = (_logged(run, f"val/{k}")[0] for k in ("loss", "consistency", "ar"))
+    assert loss == pytest.approx(cons + 10.0 * ar, rel=1e-4)  # eq. 7 with the default ω = 10
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.export_dir)
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+    assert out.shape[1] <= 6
+
+    module = build(cfg.method, model_spec=build(cfg.model))
+    module.configure_model()
+    decoders = module.decoders()
+    assert list(decoders) == ["jacobi"] and decoders["jacobi"].n_tokens == 4

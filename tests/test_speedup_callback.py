@@ -1,0 +1,148 @@
+"""``callbacks=speedup`` on the micro model: what it logs, where decoders come from, its state, its errors."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from conftest import MICRO_RUN, make_config
+
+from lit_spec.callbacks import SpeedupCallback
+from lit_spec.data.metrics import METRICS, exact_match, gsm8k_answer
+from lit_spec.decoding.jacobi import JacobiDecoder
+from lit_spec.errors import ConfigError
+from lit_spec.methods import ARModule
+from lit_spec.training import run_training
+
+SPEEDUP = ["callbacks=speedup", "callbacks.speedup.num_prompts=2", "callbacks.speedup.max_new_tokens=8"]
+
+
+class JacobiAR(ARModule):
+    """An AR module that offers a Jacobi decoder, as CLLM's will (built from the config: ``method._target_=...``)."""
+
+    def decoders(self):
+        return {"jacobi": JacobiDecoder(self.model, n_tokens=4)}
+
+
+class Grab(L.Callback):
+    """Keeps the run's SpeedupCallback and whether the module was in train mode at every training step."""
+
+    found: SpeedupCallback | None = None
+    modes: list[bool] = []
+    callback_metrics: set[str] = set()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        Grab.modes.append(pl_module.model.training)
+
+    def on_fit_end(self, trainer, pl_module):
+        Grab.found = next(c for c in trainer.callbacks if isinstance(c, SpeedupCallback))
+        Grab.callback_metrics = set(trainer.callback_metrics)
+
+
+def _run(output_dir: Path, *overrides: str) -> SpeedupCallback:
+    Grab.found, Grab.modes = None, []
+    run_training(make_config(output_dir, [*MICRO_RUN, *SPEEDUP, "+callbacks.grab._target_=test_speedup_callback.Grab",
+                                          *overrides]))
+    assert Grab.modes and all(Grab.modes), "the module is back in train mode after every measurement"
+    return Grab.found
+
+
+def _csv_rows(run_dir: Path) -> list[dict]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """8 steps, validation every 4: measured at train start and after both validations."""
+    run = tmp_path_factory.mktemp("speedup") / "run"
+    callback = _run(run, "method._target_=test_speedup_callback.JacobiAR", "data.metric=exact_match",
+                    "callbacks.model_checkpoint.monitor=speedup/jacobi", "callbacks.model_checkpoint.mode=max",
+                    "callbacks.model_checkpoint.every_n_train_steps=4",
+                    "callbacks.speedup.extra_decoders={lookahead: {window: 3, ngram: 3, guesses: 3}}")
+    return run, callback
+
+
+def test_metrics_at_train_start_and_after_each_validation(trained):
+    run, callback = trained
+    assert [step for step, _ in callback.history] == [0, 4, 8]
+    first = callback.history[0][1]
+    for name in ("jacobi", "lookahead"):  # one from the method, one from extra_decoders
+        for prefix in ("speedup", "tokens_per_s", "mean_accepted", "exact_match"):
+            assert all(f"{prefix}/{name}" in m for _, m in callback.history), (prefix, name)
+        assert all(m[f"exact_match/{name}"] == 1.0 for _, m in callback.history), "greedy decoders are lossless"
+    assert all("fast_forward/jacobi" in m and "stationary/jacobi" in m for _, m in callback.history)
+    assert "fast_forward/lookahead" not in first  # only decoders whose extras carry the counts
+    assert first["tokens_per_s/ar"] > 0 and first["speedup/jacobi"] > 0 and first["mean_accepted/jacobi"] >= 1.0
+    assert first["quality/agreement"] == 1.0 and first["quality/token_agreement"] == 1.0
+    assert 0.0 <= first["quality/exact_match"] <= 1.0  # data.metric=exact_match against the dataset's answers
+    assert callback.last_metrics == callback.history[-1][1]
+
+    # written to the CSV logger: at train start (no pl_module.log there) and after each validation
+    rows = [r for r in _csv_rows(run) if "speedup/jacobi" in r]
+    assert len(rows) == 3 and rows[0]["step"] == 0
+    assert rows[0]["quality/agreement"] == 1.0 and rows[-1]["exact_match/jacobi"] == 1.0
+    # pl_module.log made them callback metrics: a checkpoint can monitor speedup/jacobi
+    assert {"speedup/jacobi", "quality/agreement"} <= Grab.callback_metrics
+    assert len(list((run / "checkpoints").glob("step*.ckpt"))) == 1  # the best by speedup/jacobi (timing-dependent)
+
+
+def test_state_round_trip_keeps_the_original_outputs(trained, tmp_path):
+    _, callback = trained
+    torch.save(callback.state_dict(), tmp_path / "state.pt")
+    restored = SpeedupCallback()
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))  # as checkpoints are loaded
+    assert restored.reference == callback.reference and restored.history == callback.history
+    assert len(callback.reference["outputs"]) == 2 and all(callback.reference["outputs"])
+
+
+def test_resumed_run_compares_with_the_original_model(trained, tmp_path):
+    run, first = trained
+    last = run / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(last, weights_only=True, map_location="cpu")
+    (saved,) = [s for k, s in ckpt["callbacks"].items() if "SpeedupCallback" in k]
+    assert ckpt["global_step"] == 8 and saved["reference"] == first.reference
+
+    # plain AR method: its decoders come from extra_decoders; at_train_start=false decodes nothing new at start
+    resumed = _run(tmp_path / "resumed", f"ckpt_path={last}", "trainer.max_steps=14", "trainer.val_check_interval=2",
+                   "callbacks.speedup.at_train_start=false", "callbacks.speedup.every_n_validations=2",
+                   "callbacks.speedup.extra_decoders={jacobi: {n_tokens: 4}}")
+    assert resumed.reference == first.reference, "the reference is the original model's, not the resumed one's"
+    # validations at steps 10, 12, 14 continue the saved count; every second one is measured
+    measured = [step for i, step in enumerate([10, 12, 14]) if (saved["validations"] + i + 1) % 2 == 0]
+    assert [s for s, _ in resumed.history] == [s for s, _ in saved["history"]] + measured
+    assert resumed.last_metrics["exact_match/jacobi"] == 1.0 and "quality/agreement" in resumed.last_metrics
+
+
+def test_unknown_extra_decoder_fails_before_training(tmp_path):
+    cfg = make_config(tmp_path / "run", [*MICRO_RUN, *SPEEDUP, "callbacks.speedup.extra_decoders={nope: {}}"])
+    with pytest.raises(ConfigError, match="unknown decoder 'nope'"):
+        run_training(cfg)
+    assert not (tmp_path / "run" / "export").exists()
+    cfg = make_config(tmp_path / "run2", [*MICRO_RUN, *SPEEDUP, "callbacks.speedup.num_prompts=0"])
+    with pytest.raises(ConfigError, match="num_prompts=0"):
+        run_training(cfg)
+
+
+def test_unknown_data_metric_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="data.metric='bleu'.*exact_match"):
+        run_training(make_config(tmp_path / "run", [*MICRO_RUN, "data.metric=bleu"]))
+
+
+def test_gsm8k_answer():
+    assert gsm8k_answer("so she pays 1,000 dollars in all.", "... #### 1000") == 1.0
+    assert gsm8k_answer("#### -3.50\nThe end: 7", "it drops 3.5 degrees #### -3.5") == 1.0  # '####' wins
+    assert gsm8k_answer("first 2, then 12.", "#### 12") == 1.0  # else the last number
+    assert gsm8k_answer("0.5", "#### 0.50") == 1.0  # compared as numbers
+    assert gsm8k_answer("12", "#### 13") == 0.0
+    assert gsm8k_answer("no number here", "#### 4") == 0.0
+    assert gsm8k_answer("4", "no number either") == 0.0
+
+
+def test_exact_match_and_registry():
+    assert exact_match("  SELECT *\n FROM t ", "SELECT * FROM t") == 1.0
+    assert exact_match("SELECT * FROM t", "select * from t") == 0.0
+    assert set(METRICS) == {"gsm8k_answer", "exact_match"}
