@@ -1,0 +1,32 @@
+"""``python -m lit_spec.collect [overrides]``: collect Jacobi trajectories for CLLM training (see conf/collect.yaml).
+
+    python -m lit_spec.collect                                          # tiny target, stdlib-code train + validation
+    python -m lit_spec.collect collect.n_tokens=32 collect.max_prompts=1000 collect.out_dir=data/traj
+    python -m lit_spec.collect trainer.devices=2 strategy=ddp_spawn      # 2 processes; rerun the same command to resume
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from lit_spec.config import config_dir
+from lit_spec.errors import LitSpecError
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="collect")
+def main(cfg: DictConfig) -> None:
+    from lit_spec.collection import run_collection  # imported here: `--cfg job` / `--help` need no torch/lightning
+
+    try:
+        out = run_collection(cfg)
+    except LitSpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

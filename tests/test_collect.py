@@ -1,0 +1,199 @@
+"""``python -m lit_spec.collect`` (CLLM Algorithm 1): well-formed records whose fixed points are the greedy answers, a
+killed collection resumes to the same output, 2 processes give the same output as 1, clear errors; and the paper's
+reference algorithm (no KV cache) gives the engine's trajectories state for state."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import open_dict
+from random_models import ARCHS, greedy_with_mid_output_eos, random_model, random_prompts, reference_greedy
+
+from conftest import MICRO_MODEL
+from lit_spec import collection
+from lit_spec.collection import TrajectoryCollector, cached_trajectories, reference_trajectories, run_collection
+from lit_spec.config import build, compose_config
+from lit_spec.data.trajectories import read_meta, read_records
+from lit_spec.decoding.jacobi import GuessMaker, JacobiDecoder
+from lit_spec.errors import ConfigError, DataError
+
+# 10 train prompts (3 batches) + the validation prompts that fit (2 batches), 16 new tokens in blocks of 4
+MICRO_COLLECT = MICRO_MODEL + ["data.max_prompt_tokens=64", "data.max_train_samples=24", "data.max_eval_samples=8",
+                               "collect.max_prompts=10", "collect.max_new_tokens=16", "collect.n_tokens=4",
+                               "collect.batch_size=4", "trainer.enable_progress_bar=false"]
+
+
+def collect_config(out: Path, *overrides: str):
+    cfg = compose_config([*MICRO_COLLECT, *overrides], config_name="collect")
+    with open_dict(cfg):
+        cfg.collect.out_dir = cfg.paths.output_dir = str(out)
+    return cfg
+
+
+def part_names(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "parts").glob("*.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> Path:
+    """One uninterrupted single-process collection, shared by the module's tests."""
+    out = tmp_path_factory.mktemp("collect") / "baseline"
+    assert run_collection(collect_config(out)) == out
+    return out
+
+
+def test_records_are_well_formed_and_fixed_points_are_greedy(baseline):
+    cfg = collect_config(baseline)
+    records = read_records(baseline, include_dropped=True)
+    assert part_names(baseline) == ["train-000000.jsonl", "train-000001.jsonl", "train-000002.jsonl",
+                                    "validation-000000.jsonl", "validation-000001.jsonl"]
+    spec = build(cfg.model)
+    model, tokenizer = spec.load_model().eval(), spec.load_tokenizer()
+    datamodule = build(cfg.data, tokenizer=tokenizer)
+    datamodule.setup()
+    counts = {split: min(10, len(datamodule.splits[split])) for split in ("train", "validation")}
+    assert counts["train"] == 10 and counts["validation"] > 4, counts  # both splits span more than one batch
+    for split, count in counts.items():
+        ds = datamodule.splits[split]
+        got = [r for r in records if r["split"] == split]
+        assert sorted(r["id"] for r in got) == [f"{split}/{i:06d}" for i in range(count)]
+        lengths = [len(r["prompt_ids"]) for r in got]
+        assert lengths == sorted(lengths), "batches are formed from prompts sorted by length"
+        for r in got:
+            i = int(r["id"].split("/")[1])
+            assert r["prompt_ids"] == ds[i]["prompt_ids"] and r["reference_ids"] == ds[i]["answer_ids"]
+            greedy = model.generate(torch.tensor([r["prompt_ids"]]), max_new_tokens=16, do_sample=False,
+                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            new = greedy[0, len(r["prompt_ids"]):].tolist()
+            if tokenizer.eos_token_id in new:
+                new = new[: new.index(tokenizer.eos_token_id) + 1]
+            assert r["answer_ids"] == new, r["id"]
+            assert all(len(b["states"][-1]) == 4 for b in r["blocks"][:-1]), "blocks of n tokens, the last cut"
+    assert any(b["augmented"] for r in records for b in r["blocks"]), "augment.copies=1 adds states"
+    for r in records:  # the micro model's answers repeat one token: the filter marks them, they stay on disk
+        assert r["keep"] is (r["drop_reason"] is None)
+    assert any(not r["keep"] and "repeated" in r["drop_reason"] for r in records)
+
+    meta = read_meta(baseline)
+    stats = meta["stats"]
+    assert meta["complete"] and meta["config"]["collect"]["n_tokens"] == 4 and "out_dir" not in meta["config"]["collect"]
+    assert stats["records"] == len(records) == stats["kept"] + stats["dropped"]
+    assert {split: stats["splits"][split]["records"] for split in counts} == counts
+    assert stats["answer_tokens"] == sum(len(r["answer_ids"]) for r in records)
+    assert stats["states"] == sum(len(b["states"]) for r in records for b in r["blocks"])
+    assert stats["batches_this_run"] == stats["batches"] == len(part_names(baseline)) and stats["tokens_per_s"] > 0
+
+
+def test_a_complete_collection_is_not_redone(baseline, monkeypatch):
+    before = {p: p.stat().st_mtime_ns for p in baseline.rglob("*")}
+    monkeypatch.setattr(TrajectoryCollector, "predict_step", lambda *a: pytest.fail("decoded again"))
+    run_collection(collect_config(baseline))
+    assert {p: p.stat().st_mtime_ns for p in baseline.rglob("*")} == before
+
+
+def test_killed_collection_resumes_to_the_same_records(baseline, tmp_path, monkeypatch):
+    out = tmp_path / "resumed"
+    step = TrajectoryCollector.predict_step
+    written = []
+
+    def killed_after_two_parts(self, batch):
+        if len(written) == 2:
+            raise RuntimeError("killed")
+        written.append(step(self, batch))
+        return written[-1]
+
+    monkeypatch.setattr(TrajectoryCollector, "predict_step", killed_after_two_parts)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_collection(collect_config(out))
+    assert len(part_names(out)) == 2 and not read_meta(out)["complete"]
+    with pytest.raises(DataError, match="not complete"):
+        read_records(out)
+
+    monkeypatch.setattr(TrajectoryCollector, "predict_step", step)
+    run_collection(collect_config(out))
+    assert read_records(out, include_dropped=True) == read_records(baseline, include_dropped=True)
+    assert part_names(out) == part_names(baseline)
+    assert read_meta(out)["stats"]["batches_this_run"] == len(part_names(baseline)) - 2
+
+
+def test_two_processes_give_the_records_of_one(baseline, tmp_path):
+    from test_distributed import _kill_workers_after
+
+    out = tmp_path / "ddp"
+    with _kill_workers_after(240):
+        run_collection(collect_config(out, "strategy=ddp_spawn", "trainer.devices=2"))
+    assert read_records(out, include_dropped=True) == read_records(baseline, include_dropped=True)
+    assert read_meta(out)["stats"]["records"] == read_meta(baseline)["stats"]["records"]
+
+
+def test_cached_trajectories_collect_once(baseline, tmp_path, monkeypatch):
+    out = cached_trajectories(MICRO_COLLECT, tmp_path / "cache")
+    assert out.parent == tmp_path / "cache" and out.name.startswith("trajectories-")
+    assert read_records(out, include_dropped=True) == read_records(baseline, include_dropped=True)
+    def collect_again(cfg):
+        raise RuntimeError(f"collected again into {cfg.collect.out_dir}")
+
+    monkeypatch.setattr(collection, "run_collection", collect_again)
+    assert cached_trajectories(MICRO_COLLECT, tmp_path / "cache") == out
+    with pytest.raises(RuntimeError, match="collected again") as e:  # another setting: another directory
+        cached_trajectories([*MICRO_COLLECT, "collect.n_tokens=5"], tmp_path / "cache")
+    assert str(out) not in str(e.value)
+
+
+# ---- errors -------------------------------------------------------------------------------------------------------
+def test_changed_config_in_an_existing_out_dir_is_refused(baseline):
+    with pytest.raises(ConfigError, match=r"collect\.out_dir=.*collect\.n_tokens: 4 there, 5 now.*delete"):
+        run_collection(collect_config(baseline, "collect.n_tokens=5"))
+
+
+@pytest.mark.parametrize("override, words", [
+    ("collect.n_tokens=0", "collect.n_tokens=0"),
+    ("collect.max_new_tokens=0", "collect.max_new_tokens=0"),
+    ("collect.batch_size=0", "collect.batch_size=0"),
+    ("collect.splits=[train,dev]", "collect.splits"),
+    ("collect.augment.prob=1.5", "collect.augment.prob=1.5"),
+    ("collect.init=zeros", "collect.init='zeros'"),
+])
+def test_bad_settings_fail_before_any_work(tmp_path, override, words):
+    with pytest.raises(ConfigError, match=words):
+        run_collection(collect_config(tmp_path / "out", override))
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_bad_n_tokens_is_a_one_line_error(tmp_path, stage_cache):
+    env = dict(os.environ, LIT_SPEC_CACHE=str(stage_cache), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-m", "lit_spec.collect", "collect.n_tokens=0",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: collect.n_tokens=0: must be an integer >= 1"], result.stderr[-3000:]
+    assert not (tmp_path / "run" / "trajectories").exists()
+
+
+# ---- the paper's algorithm, as an independent check of the engine -------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("init", ["pad", "prefix"])
+def test_reference_algorithm_gives_the_engine_trajectories(arch, init, one_thread):
+    model = random_model(arch)
+    ids, mask = random_prompts(1, [7])
+    prompt = ids[0].tolist()
+    for n, new, eos in ((4, 18, None), (5, 23, None), (1, 6, None), (6, 30, "mid")):
+        if eos == "mid":  # an EOS inside a block: both cut it there
+            _, eos, _ = greedy_with_mid_output_eos(model, ids, mask, new, not_before=8, where=lambda i: i % n != n - 1)
+        decoder = JacobiDecoder(model, n, init, seed=3, return_trajectory=True)
+        out = decoder.generate(ids, new, eos)
+        guess = GuessMaker(model, init, None, decoder.pad_token_id, 3)
+        guess.reset()  # the engine resets its guesses at every generate: same calls, same order, same guesses
+        blocks = reference_trajectories(model, prompt, n, new, eos, guess)
+        assert blocks == out.extras["trajectories"][0], (n, new, eos)
+        greedy = reference_greedy(model, ids, mask, new, eos)[0, len(prompt):].tolist()
+        answer = [t for states in blocks for t in states[-1]]
+        assert answer == greedy[: len(answer)] and (len(answer) == new or answer[-1] == eos)
+        assert all(s != t for states in blocks for s, t in zip(states, states[1:])), "consecutive states differ"
