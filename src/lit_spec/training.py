@@ -58,7 +58,7 @@ class _FinishRun(L.Callback):
 
 def _instantiate_group(group: DictConfig | None) -> list:
     """Build every entry of a ``{name: {_target_: ...}}`` group (callbacks, loggers); null entries are skipped."""
-    return [build(c) for c in (group or {}).values() if c is not None and "_target_" in c]
+    return [instantiate(c) for c in (group or {}).values() if c is not None and "_target_" in c]
 
 
 def run_training(cfg: DictConfig) -> dict[str, float]:
@@ -71,10 +71,6 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(f"ckpt_path={ckpt_path}: no such checkpoint; pass a .ckpt file (or DeepSpeed checkpoint "
                           "directory) from an earlier run's checkpoints/")
 
-    finish = _FinishRun(cfg)  # callbacks and loggers first: their config errors come before any stage is built
-    trainer: L.Trainer = instantiate(cfg.trainer, _partial_=True)(
-        callbacks=[*_instantiate_group(cfg.get("callbacks")), finish],
-        logger=_instantiate_group(cfg.get("logger")) or False)
     model_spec = build(cfg.model)
     model_spec.prepare()
     model_spec.validate()
@@ -82,6 +78,11 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     datamodule = build(cfg.data, tokenizer=tokenizer)
     datamodule.setup("fit")  # bad data fails here, before any training
     module = build(cfg.method, model_spec=model_spec)
+
+    finish = _FinishRun(cfg)
+    trainer: L.Trainer = instantiate(cfg.trainer, _partial_=True)(
+        callbacks=[*_instantiate_group(cfg.get("callbacks")), finish],
+        logger=_instantiate_group(cfg.get("logger")) or False)
     if trainer.is_global_zero:
         log.info("model %s | data %s | output %s", model_spec.name_or_path, datamodule.source.describe(),
                  cfg.paths.output_dir)

@@ -83,11 +83,10 @@ class SpeedupCallback(L.Callback):
         self.validations = 0
         self.last_metrics: dict[str, float] = {}
         self.history: list[tuple[int, dict[str, float]]] = []
-        self._check()
 
     # ---- checks and building ----------------------------------------------------------------------------------
-    def _check(self) -> None:
-        """Bad options fail when the callback is built, before the model is and training starts."""
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Bad options fail here, before training starts (Hydra would wrap an error raised in ``__init__``)."""
         for name, value in [("num_prompts", self.num_prompts), ("max_new_tokens", self.max_new_tokens),
                             ("every_n_validations", self.every_n_validations)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
