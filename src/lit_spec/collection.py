@@ -39,6 +39,7 @@ from lit_spec.config import build, compose_config, config_hash
 from lit_spec.data.trajectories import (META, augment_states, done_batches, read_meta, read_records, write_meta,
                                         write_part)
 from lit_spec.decoding.jacobi import INITS, JacobiDecoder, check_count
+from lit_spec.decoding.state import eos_ids
 from lit_spec.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -292,7 +293,7 @@ def reference_trajectories(model, prompt_ids: list[int], n_tokens: int, max_new_
     iteration puts there) and only the rest is guessed, so with the same guesses both give the same trajectories.
     Returns per block its states, initial guess to fixed point; blocks cut by EOS are cut to the tokens output.
     """
-    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    eos = eos_ids(eos_token_id)
     device = next(model.parameters()).device
 
     def argmax(tokens: list[int]) -> list[int]:

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_spec.data.metrics import get_metric
 from lit_spec.decoding import DECODERS, DecodeStats, Decoder
+from lit_spec.decoding.verify import greedy_accept_length
 from lit_spec.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -49,13 +50,6 @@ class _Run:
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else 0.0
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 class SpeedupCallback(L.Callback):
@@ -187,7 +181,7 @@ class SpeedupCallback(L.Callback):
         metrics = {}
         if pairs:
             metrics["quality/agreement"] = _mean(o == r for o, r in pairs)
-            metrics["quality/token_agreement"] = _mean(_common_prefix(o, r) / max(len(r), 1) for o, r in pairs)
+            metrics["quality/token_agreement"] = _mean(greedy_accept_length(o, r) / max(len(r), 1) for o, r in pairs)
         name = getattr(dm, "metric", None)
         if name:
             score = get_metric(name)

@@ -92,18 +92,11 @@ class GuessMaker:
         return [context[i] for i in picks]
 
 
-def correct_prefix(state: list[int], fixed_point: list[int]) -> int:
-    n = 0
-    while n < len(fixed_point) and state[n] == fixed_point[n]:
-        n += 1
-    return n
-
-
 def stationary_tokens(states: list[list[int]], fixed_point: list[int]) -> int:
     """CLLM §3.3: positions that a predicted state (not the initial guess) got right while an earlier position of the
     same state was wrong, and that kept that token in every later state. ``states`` is a Jacobi trajectory from the
     initial guess to ``fixed_point`` (consecutive states distinct)."""
-    prefix = [correct_prefix(s, fixed_point) for s in states]
+    prefix = [greedy_accept_length(s, fixed_point) for s in states]   # correct leading tokens of each state
     count = 0
     for i, token in enumerate(fixed_point):
         start = len(states)              # first state of the final run of states that have ``token`` at i

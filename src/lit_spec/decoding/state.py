@@ -19,6 +19,13 @@ from lit_spec.decoding.stats import DecodeStats
 from lit_spec.errors import ConfigError
 
 
+def eos_ids(eos_token_id: int | list[int] | None) -> set[int]:
+    """``eos_token_id`` as transformers takes it (one id, several, or none) -> the set of ids that end a row."""
+    if eos_token_id is None:
+        return set()
+    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+
+
 class DecodeState:
     def __init__(self, model, input_ids: torch.Tensor, attention_mask_2d: torch.Tensor | None,
                  max_new_tokens: int, eos_token_id: int | list[int] | None):
@@ -37,8 +44,7 @@ class DecodeState:
         self.model = model
         self.prompt, self.prompt_mask = input_ids, attention_mask_2d
         self.max_new_tokens = max_new_tokens
-        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        self.eos = set(eos)
+        self.eos = eos_ids(eos_token_id)
         self.cache = kv.new_cache(model)
         self.out: list[list[int]] = [[] for _ in range(input_ids.size(0))]
         self.active = list(range(input_ids.size(0)))     # original row index of each row still in the batch
