@@ -19,9 +19,10 @@ from lit_spec.config import compose_config  # noqa: E402
 # A micro Llama (tiny.yaml shape, shrunk) and a small data budget: each training test runs in seconds.
 MICRO_MODEL = ["model=tiny", "model.vocab_size=512", "model.hidden_size=32", "model.intermediate_size=64",
                "model.num_hidden_layers=2", "model.num_attention_heads=2", "model.num_key_value_heads=2"]
-MICRO_RUN = MICRO_MODEL + ["data.max_train_samples=64", "data.max_eval_samples=16", "data.batch_size=8",
-                           "data.max_prompt_tokens=64", "data.max_answer_tokens=64", "trainer.max_steps=8",
-                           "trainer.val_check_interval=4", "trainer.num_sanity_val_steps=0",
+# the AR baseline on stdlib-code (the default is CLLM on collected trajectories; tests/test_cllm.py runs that)
+MICRO_RUN = MICRO_MODEL + ["method=ar", "data=stdlib_code", "callbacks=default", "data.max_train_samples=64",
+                           "data.max_eval_samples=16", "data.batch_size=8", "data.max_prompt_tokens=64",
+                           "data.max_answer_tokens=64", "trainer.max_steps=8", "trainer.val_check_interval=4", "trainer.num_sanity_val_steps=0",
                            "trainer.enable_progress_bar=false", "method.lr=3e-3", "callbacks.throughput.window_size=2"]
 
 

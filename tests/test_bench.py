@@ -52,6 +52,30 @@ def test_bench_runs_every_runner_and_writes_its_report(micro_dirs, tmp_path):
     table = (tmp_path / "bench.md").read_text()
     assert all(f"| {name} |" in table for name in methods)
     assert (tmp_path / "bench.png").stat().st_size > 1000
+    quality = results["quality"]
+    assert set(quality) == {"repetitive", "mean_new_tokens"} and "greedy answers: repetitive" in table
+    assert quality["mean_new_tokens"] == methods["ar"]["new_tokens"] / results["num_prompts"]
+
+
+def test_bench_scores_the_greedy_answers(micro_dirs, tmp_path):
+    from lit_spec.config import build
+    from lit_spec.data.metrics import token_f1
+    from lit_spec.data.trajectories import RepetitionFilter
+    from lit_spec.decoding.benchmark import answer_quality
+
+    results = run_benchmark(bench_config(tmp_path, micro_dirs[0], None, "bench.hf_peers=[]", "bench.metric=token_f1"),
+                            tmp_path)
+    assert 0.0 <= results["quality"]["token_f1"] <= 1.0 and 0.0 <= results["quality"]["repetitive"] <= 1.0
+    tokenizer = build(bench_config(tmp_path, micro_dirs[0], None).model).load_tokenizer()
+    # by hand: one answer flagged (a token 8 times in a row), one not; F1 against the references
+    outputs, refs = [[7] * 8, [5, 6, 7]], [[5, 6, 7], [5, 6, 7]]
+    texts = [tokenizer.decode(o) for o in outputs]
+    assert RepetitionFilter().reason(outputs[0], texts[0]) and not RepetitionFilter().reason(outputs[1], texts[1])
+    quality = answer_quality(outputs, refs, tokenizer, "token_f1", token_f1)
+    assert quality["repetitive"] == 0.5 and quality["mean_new_tokens"] == 5.5
+    assert quality["token_f1"] == pytest.approx((token_f1(texts[0], texts[1]) + 1.0) / 2)
+    with pytest.raises(ConfigError, match="metric"):
+        run_benchmark(bench_config(tmp_path, micro_dirs[0], None, "bench.metric=bleu"), tmp_path)
 
 
 def test_bench_rejects_bad_settings_before_decoding(micro_dirs, tmp_path):

@@ -10,12 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from omegaconf import open_dict
 from transformers import AutoModelForCausalLM
 
 from conftest import MICRO_MODEL, make_config
 from lit_spec.config import build
 from lit_spec.data import IGNORE_INDEX, TrajectoryDataModule
-from lit_spec.data.trajectories import write_meta, write_part
+from lit_spec.data.trajectories import read_meta, write_meta, write_part
 from lit_spec.data.trajectory_data import EpochSampler, consistency_item, student_pool
 from lit_spec.errors import ConfigError, DataError
 from lit_spec.methods import CLLMModule
@@ -202,6 +203,12 @@ def test_validation_split_and_errors(tmp_path):
     dm = TrajectoryDataModule(path=str(write_trajectories(tmp_path / "a", train=2, validation=1)))
     dm.setup()
     assert len(dm.records["train"]) == 2 and [r["id"] for r in dm.records["validation"]] == ["validation/000000"]
+    first = TrajectoryDataModule(path=dm.path, max_train_records=1)
+    first.setup()
+    assert [r["id"] for r in first.records["train"]] == ["train/000000"] and first.records["validation"] == dm.records[
+        "validation"]
+    with pytest.raises(ConfigError, match="max_train_records"):
+        TrajectoryDataModule(path=dm.path, max_train_records=0)
 
     empty = tmp_path / "empty"
     write_meta(empty, {}, complete=True)
@@ -277,3 +284,40 @@ def test_cllm_trains_end_to_end(tmp_path, consistency):
     module.configure_model()
     decoders = module.decoders()
     assert list(decoders) == ["jacobi"] and decoders["jacobi"].n_tokens == 4
+
+
+# ---- the default pipeline: collect -> train -> measure -----------------------------------------------------------
+def test_collect_train_and_measure_in_one_run(tmp_path):
+    """``data.path=null``: the run collects the trajectories (cached), consistency-trains on them, and the speedup
+    callback decodes held-out prompts with AR and Jacobi before training and after each validation."""
+    from test_collect import MICRO_COLLECT
+
+    cfg = make_config(tmp_path / "run", [
+        *MICRO_MODEL, "method.n_tokens=4", "data.batch_size=4", f"data.cache_dir={tmp_path / 'cache'}",
+        "method.lr=3e-3", "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.num_sanity_val_steps=0",
+        "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1", "callbacks.throughput.window_size=2",
+        "callbacks.speedup.num_prompts=2", "callbacks.speedup.max_new_tokens=8"])
+    assert cfg.method._target_.endswith("CLLMModule") and cfg.data._target_.endswith("TrajectoryDataModule")
+    assert "speedup" in cfg.callbacks  # the default is this pipeline
+    with open_dict(cfg):
+        cfg.data.collect = [*MICRO_COLLECT, "collect.filter=null"]  # the micro model trained; random: repetitive
+    metrics = run_training(cfg)
+    assert metrics["global_step"] == 4
+
+    collected = list((tmp_path / "cache").glob("trajectories-*"))
+    assert len(collected) == 1 and read_meta(collected[0])["complete"]
+    run = Path(cfg.paths.output_dir)
+    assert _logged(run, "train/consistency") and _logged(run, "val/ar")
+    tau, exact = _logged(run, "mean_accepted/jacobi"), _logged(run, "exact_match/jacobi")
+    assert len(tau) == 3  # at train start and after both validations
+    assert all(1.0 <= t <= 4.0 for t in tau) and exact == [1.0, 1.0, 1.0]  # lossless at every measurement
+    assert len(_logged(run, "speedup/jacobi")) == 3 and _logged(run, "quality/agreement")
+
+
+def test_multi_process_training_does_not_collect(tmp_path):
+    dm = TrajectoryDataModule(collect=["model=tiny", "collect.max_prompts=4"], cache_dir=str(tmp_path))
+    dm.trainer = SimpleNamespace(world_size=2)
+    with pytest.raises(ConfigError, match=r"python -m lit_spec.collect model=tiny collect.max_prompts=4 "
+                                          rf"collect.out_dir={tmp_path}/trajectories-"):
+        dm.prepare_data()
+    assert not list(tmp_path.iterdir())

@@ -11,7 +11,7 @@ import torch
 from conftest import MICRO_RUN, make_config
 
 from lit_spec.callbacks import SpeedupCallback
-from lit_spec.data.metrics import METRICS, exact_match, gsm8k_answer
+from lit_spec.data.metrics import METRICS, exact_match, gsm8k_answer, token_f1
 from lit_spec.decoding.jacobi import JacobiDecoder
 from lit_spec.errors import ConfigError
 from lit_spec.methods import ARModule
@@ -145,4 +145,12 @@ def test_gsm8k_answer():
 def test_exact_match_and_registry():
     assert exact_match("  SELECT *\n FROM t ", "SELECT * FROM t") == 1.0
     assert exact_match("SELECT * FROM t", "select * from t") == 0.0
-    assert set(METRICS) == {"gsm8k_answer", "exact_match"}
+    assert set(METRICS) == {"gsm8k_answer", "exact_match", "token_f1"}
+
+
+def test_token_f1():
+    assert token_f1("return self.x", "return  self.x") == 1.0
+    # prediction tokens: return, x, (, ) -> 2 shared with return, self, ., x: P = 2/4, R = 2/4
+    assert token_f1("return x()", "return self.x") == pytest.approx(0.5)
+    assert token_f1("a a b", "a") == pytest.approx(2 * (1 / 3) * 1 / (1 / 3 + 1))  # multiset: one 'a' matches
+    assert token_f1("", "") == 1.0 and token_f1("x", "") == 0.0 and token_f1("x", "y") == 0.0

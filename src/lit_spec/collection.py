@@ -263,9 +263,10 @@ def run_collection(cfg: DictConfig) -> Path:
     return out
 
 
-def cached_trajectories(overrides: list[str], cache_dir: str | Path) -> Path:
-    """The trajectories of ``conf/collect.yaml`` + ``overrides``, collected once into
-    ``cache_dir/trajectories-<hash of model, data, collect, seed>`` (an interrupted collection resumes)."""
+def trajectory_cache(overrides: list[str], cache_dir: str | Path) -> tuple[DictConfig, Path, bool]:
+    """(collect config, directory, complete?) of the trajectories of ``conf/collect.yaml`` + ``overrides`` in
+    ``cache_dir/trajectories-<hash of model, data, collect, seed>``: processes and strategy do not change the output,
+    so they are not hashed."""
     cfg = compose_config(overrides, config_name="collect")
     hashed = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items()
               if k in ("model", "data", "collect", "seed")}
@@ -274,9 +275,13 @@ def cached_trajectories(overrides: list[str], cache_dir: str | Path) -> Path:
     with open_dict(cfg):
         cfg.collect.out_dir = str(out)
         cfg.paths.output_dir = str(out)  # the trainer's default_root_dir (nothing is written there in predict)
-    if (out / META).is_file() and read_meta(out).get("complete"):
-        return out
-    return run_collection(cfg)
+    return cfg, out, (out / META).is_file() and bool(read_meta(out).get("complete"))
+
+
+def cached_trajectories(overrides: list[str], cache_dir: str | Path) -> Path:
+    """``trajectory_cache``'s directory, collected first when incomplete (an interrupted collection resumes)."""
+    cfg, out, complete = trajectory_cache(overrides, cache_dir)
+    return out if complete else run_collection(cfg)
 
 
 # ---- the paper's reference algorithm ------------------------------------------------------------------------------

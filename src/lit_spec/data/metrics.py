@@ -7,12 +7,14 @@ not only the tokens of the original model (the speedup callback logs ``quality/<
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Callable
 
 from lit_spec.errors import ConfigError
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 FINAL = re.compile(r"####\s*(" + NUMBER.pattern + ")")
+WORD = re.compile(r"\w+|[^\w\s]")
 
 
 def _number(text: str) -> float | None:
@@ -33,7 +35,21 @@ def exact_match(prediction: str, reference: str) -> float:
     return float(prediction.split() == reference.split())
 
 
-METRICS: dict[str, Callable[[str, str], float]] = {"gsm8k_answer": gsm8k_answer, "exact_match": exact_match}
+def token_f1(prediction: str, reference: str) -> float:
+    """SQuAD's token F1 over words and single punctuation marks (``\\w+|[^\\w\\s]``), so it suits code too:
+    2·P·R/(P+R) of the multisets' overlap; 1.0 for two empty texts."""
+    pred, ref = Counter(WORD.findall(prediction)), Counter(WORD.findall(reference))
+    if not pred or not ref:
+        return float(pred == ref)
+    overlap = sum((pred & ref).values())
+    if not overlap:
+        return 0.0
+    precision, recall = overlap / sum(pred.values()), overlap / sum(ref.values())
+    return 2 * precision * recall / (precision + recall)
+
+
+METRICS: dict[str, Callable[[str, str], float]] = {"gsm8k_answer": gsm8k_answer, "exact_match": exact_match,
+                                                    "token_f1": token_f1}
 
 
 def get_metric(name: str) -> Callable[[str, str], float]:

@@ -138,13 +138,15 @@ class TrajectoryDataModule(L.LightningDataModule):
         max_context_tokens: left-truncate the context before a block (and the prompt of the AR sequence).
         ar_target: ``generated`` (the target's answer l, eq. 6) or ``dataset`` (the reference answer).
         metric: the task metric callbacks score decoded answers with (``lit_spec.data.metrics``), or null.
+        max_train_records: train on the first this many kept train records only (trajectory-set size ablations).
         num_workers, seed: data loading; the seed of the shuffling and of the states drawn.
     """
 
     def __init__(self, tokenizer=None, path: str | None = None, collect: list[str] | None = None,
                  cache_dir: str | None = None, batch_size: int = 8, eval_batch_size: int | None = None,
                  use_augmented: bool = True, max_context_tokens: int | None = None, ar_target: str = "generated",
-                 metric: str | None = None, num_workers: int = 0, seed: int = 0):
+                 metric: str | None = None, max_train_records: int | None = None, num_workers: int = 0,
+                 seed: int = 0):
         super().__init__()
         if ar_target not in AR_TARGETS:
             raise ConfigError(f"data.ar_target={ar_target!r}: choose one of {list(AR_TARGETS)}")
@@ -155,23 +157,42 @@ class TrajectoryDataModule(L.LightningDataModule):
                               "for conf/collect.yaml)")
         if metric is not None:
             get_metric(metric)
+        if max_train_records is not None and (isinstance(max_train_records, bool) or max_train_records < 1):
+            raise ConfigError(f"data.max_train_records={max_train_records!r}: must be >= 1 (or null: all)")
         self.tokenizer, self.path, self.collect, self.cache_dir = tokenizer, path, collect, cache_dir
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.use_augmented, self.max_context_tokens, self.ar_target = use_augmented, max_context_tokens, ar_target
-        self.metric, self.num_workers, self.seed = metric, num_workers, seed
+        self.metric, self.max_train_records, self.num_workers, self.seed = metric, max_train_records, num_workers, seed
         self.source = TrajectorySource(path)
         self.records: dict[str, list[dict]] | None = None
+
+    def prepare_data(self) -> None:
+        """Collect the trajectories when ``path`` is null and they are not cached yet: Lightning runs this on one
+        process per node, before ``setup`` on every process."""
+        self._resolve_path()
+
+    def _resolve_path(self) -> None:
+        if self.path is not None:
+            return
+        from lit_spec.collection import run_collection, trajectory_cache  # imports decoding
+
+        if self.cache_dir is None:
+            raise ConfigError("data.cache_dir is needed to collect trajectories (data.path is null)")
+        collect_cfg, out, complete = trajectory_cache(list(self.collect), self.cache_dir)
+        trainer = getattr(self, "trainer", None)
+        if not complete and trainer is not None and trainer.world_size > 1:
+            raise ConfigError(
+                f"the trajectories of data.collect={list(self.collect)} are not collected yet, and a {trainer.world_size}-"
+                "process training run does not collect them (that is a multi-process job of its own): run\n"
+                f"  python -m lit_spec.collect {' '.join(self.collect)} collect.out_dir={out}\n"
+                "first (resumable; the same processes/strategy overrides work there), then this command again")
+        self.path = str(out if complete else run_collection(collect_cfg))
+        self.source = TrajectorySource(self.path)
 
     def setup(self, stage: str | None = None) -> None:
         if self.records is not None:
             return
-        if self.path is None:
-            from lit_spec.collection import cached_trajectories  # the collection stage (imports decoding)
-
-            if self.cache_dir is None:
-                raise ConfigError("data.cache_dir is needed to collect trajectories (data.path is null)")
-            self.path = str(cached_trajectories(list(self.collect), self.cache_dir))
-            self.source = TrajectorySource(self.path)
+        self._resolve_path()  # prepare_data collected already, unless called outside a trainer
         train = read_records(self.path, "train")
         if not any(block["states"][-1] for r in train for block in r["blocks"]):
             raise DataError(f"{self.path}: no train record with a Jacobi trajectory; collect more prompts "
@@ -186,7 +207,7 @@ class TrajectoryDataModule(L.LightningDataModule):
                 val = train
                 log.info("%s: no validation split; validating on its %d train records (too few to hold out)",
                          self.path, n)
-        self.records = {"train": train, "validation": val}
+        self.records = {"train": train[: self.max_train_records], "validation": val}
 
     def eval_records(self, split: str, n: int) -> list[dict]:
         """The first ``n`` records of ``split`` (none when it is empty or absent) as ``{"prompt_ids", "answer_ids"}``

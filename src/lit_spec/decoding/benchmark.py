@@ -13,6 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from lit_spec.config import build
+from lit_spec.data.metrics import get_metric
+from lit_spec.data.trajectories import RepetitionFilter
 from lit_spec.decoding.base import DECODERS, Decoder
 from lit_spec.decoding.stats import DecodeStats, sync_device
 from lit_spec.errors import ConfigError
@@ -39,15 +41,16 @@ def _load(spec_cfg: DictConfig, device: torch.device):
     return spec, model
 
 
-def load_prompts(cfg: DictConfig, tokenizer) -> list[torch.Tensor]:
-    """The first ``bench.num_prompts`` prompts (token ids) of ``bench.split`` of the ``data`` config."""
+def load_prompts(cfg: DictConfig, tokenizer) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """The first ``bench.num_prompts`` prompts (token ids) of ``bench.split`` of the ``data`` config, and their
+    dataset answers."""
     datamodule = build(cfg.data, tokenizer=tokenizer)
     datamodule.setup("test")
     split = datamodule.splits[cfg.bench.split]
     if len(split) == 0:
         raise ConfigError(f"bench.split={cfg.bench.split}: that split of the data is empty")
     n = min(cfg.bench.num_prompts, len(split))
-    return [torch.tensor(split[i]["prompt_ids"])[None] for i in range(n)]
+    return [torch.tensor(split[i]["prompt_ids"])[None] for i in range(n)], [split[i]["answer_ids"] for i in range(n)]
 
 
 def _new_tokens(sequence: torch.Tensor, prompt_len: int, eos: int | None) -> list[int]:
@@ -122,6 +125,7 @@ def _decode(runner, ids, max_new_tokens, eos):
 def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     torch.manual_seed(cfg.seed)
     device = _device(cfg.bench.device)
+    score = None if cfg.bench.get("metric") is None else get_metric(cfg.bench.metric)
     spec, model = _load(cfg.model, device)
     tokenizer = spec.load_tokenizer()
     draft = None
@@ -130,7 +134,8 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
         if draft.config.vocab_size != model.config.vocab_size:
             raise ConfigError(f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
                               f"({model.config.vocab_size}): pick a draft that shares the target's tokenizer")
-    prompts = [p.to(device) for p in load_prompts(cfg, tokenizer)]
+    prompts, references = load_prompts(cfg, tokenizer)
+    prompts = [p.to(device) for p in prompts]
     eos, max_new = tokenizer.eos_token_id, cfg.bench.max_new_tokens
     runners = build_runners(cfg, model, draft, tokenizer)
 
@@ -164,8 +169,24 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
             "forward_time": stats.forward_time, "draft_time": stats.draft_time,
             "engine_overhead": stats.engine_overhead if stats.forward_time else None,
         }
+    results["quality"] = answer_quality(outputs["ar"], references, tokenizer, cfg.bench.get("metric"), score)
     write_report(results, out_dir)
     return results
+
+
+def answer_quality(outputs: list[list[int]], references: list[list[int]], tokenizer, metric: str | None,
+                   score) -> dict:
+    """How good the greedy answers are (the same for every lossless method): the share that the collection's
+    repetition filter flags (``RepetitionFilter`` defaults), and ``metric``'s mean score against the dataset's
+    answers when one is named."""
+    texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
+    flag = RepetitionFilter()
+    quality = {"repetitive": sum(flag.reason(o, t) is not None for o, t in zip(outputs, texts)) / len(outputs),
+               "mean_new_tokens": sum(map(len, outputs)) / len(outputs)}
+    if score is not None:
+        refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
+        quality[metric] = sum(score(t, r) for t, r in zip(texts, refs)) / len(texts)
+    return quality
 
 
 def markdown_table(results: dict) -> str:
@@ -189,7 +210,8 @@ def write_report(results: dict, out_dir: Path) -> None:
     (out_dir / "bench.md").write_text(
         f"{results['num_prompts']} prompts, max_new_tokens={results['max_new_tokens']}, "
         f"temperature={results['temperature']}, device {results['device']}, model `{results['model']}`\n\n"
-        + markdown_table(results))
+        + markdown_table(results) + "\ngreedy answers: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in results["quality"].items()) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
