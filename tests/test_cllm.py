@@ -314,10 +314,22 @@ def test_collect_train_and_measure_in_one_run(tmp_path):
     assert len(_logged(run, "speedup/jacobi")) == 3 and _logged(run, "quality/agreement")
 
 
-def test_multi_process_training_does_not_collect(tmp_path):
-    dm = TrajectoryDataModule(collect=["model=tiny", "collect.max_prompts=4"], cache_dir=str(tmp_path))
-    dm.trainer = SimpleNamespace(world_size=2)
-    with pytest.raises(ConfigError, match=r"python -m lit_spec.collect model=tiny collect.max_prompts=4 "
+def test_multi_process_collection_is_a_job_of_its_own(tmp_path, monkeypatch):
+    """A training command collects in its own process only: otherwise it names the collect command to run first."""
+    dm = TrajectoryDataModule(collect=["model=tiny", "trainer.devices=2", "strategy=ddp_spawn"],
+                              cache_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"python -m lit_spec.collect model=tiny trainer.devices=2 strategy=ddp_spawn "
                                           rf"collect.out_dir={tmp_path}/trajectories-"):
         dm.prepare_data()
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a training job launched as 2 processes (torchrun, SLURM)
+    with pytest.raises(ConfigError, match="training processes: 2"):
+        TrajectoryDataModule(collect=["model=tiny"], cache_dir=str(tmp_path)).setup()
     assert not list(tmp_path.iterdir())
+
+
+def test_method_and_data_must_fit_before_any_work(tmp_path):
+    # checked from the config alone: neither the hub dataset nor the model stage is touched
+    with pytest.raises(ConfigError, match=r"CLLMModule .* PromptDataModule: use data=trajectories"):
+        run_training(make_config(tmp_path / "a", ["data=gsm8k", "model=hf", "model.name_or_path=nowhere/x"]))
+    with pytest.raises(ConfigError, match=r"ARModule .* TrajectoryDataModule: use a prompt dataset"):
+        run_training(make_config(tmp_path / "b", ["method=ar", "model=hf", "model.name_or_path=nowhere/x"]))

@@ -98,8 +98,9 @@ def test_greedy_identical_to_generate(models, arch):
         settings = settings[1:] + settings[:1]   # the other prompt pairs each n with another init
 
 
+@pytest.mark.parametrize("align", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_batch_of_prompts_of_different_lengths(models, arch):
+def test_batch_of_prompts_of_different_lengths(models, arch, align):
     model = models[arch]
     lengths = [5, 11, 8, 3]
     ids, mask = random_prompts(4, lengths, seed=3 + ARCHS.index(arch))
@@ -109,11 +110,12 @@ def test_batch_of_prompts_of_different_lengths(models, arch):
     ref_eos = reference_greedy(model, ids, mask, 28, eos_token_id=eos)
     for n, init in [(4, "prefix"), (9, "pad")]:
         out = generate(model, ids, "jacobi", attention_mask=mask, max_new_tokens=28, n_tokens=n, init=init,
-                       return_trajectory=True)
+                       return_trajectory=True, align_blocks=align)
         assert torch.equal(out.sequences, ref), n
         check_trajectories(out, ids.size(1), n)
+        assert out.stats.new_tokens == out.stats.row_forwards + out.stats.accepted_tokens
         out = generate(model, ids, "jacobi", attention_mask=mask, max_new_tokens=28, n_tokens=n, init=init,
-                       eos_token_id=eos, return_trajectory=True)
+                       eos_token_id=eos, return_trajectory=True, align_blocks=align)
         for r in range(len(lengths)):
             assert new_tokens(out, ids.size(1), r, eos) == tokens_until_eos(ref_eos[r], ids.size(1), eos), (n, r)
         check_trajectories(out, ids.size(1), n, eos)
@@ -171,6 +173,31 @@ def test_trajectory_states_are_jacobi_iterations(models):
                 logits = model(torch.tensor([prefix + prev])).logits[0]
                 assert logits[len(prefix) - 1:-1].argmax(-1).tolist() == cur
             prefix += states[-1]
+
+
+def test_aligned_blocks_in_a_batch_are_jacobi_iterations_in_phase(models):
+    """``align_blocks``: every row's states are still Jacobi iterations of its own prefix (eq. 3), a row at its
+    fixed point waits (its next block opens with the others'), and the rows' blocks stay in phase."""
+    model = models["llama"]
+    ids, mask = random_prompts(3, [7, 4, 9], seed=5)
+    n = 5
+    out = generate(model, ids, "jacobi", attention_mask=mask, max_new_tokens=22, n_tokens=n, init="prefix",
+                   return_trajectory=True, align_blocks=True)
+    assert torch.equal(out.sequences, reference_greedy(model, ids, mask, 22))
+    for r, blocks in enumerate(out.extras["trajectories"]):
+        prefix = ids[r][mask[r].bool()].tolist()
+        for states in blocks:
+            for prev, cur in zip(states, states[1:]):
+                logits = model(torch.tensor([prefix + prev])).logits[0]
+                assert logits[len(prefix) - 1: len(prefix) - 1 + len(cur)].argmax(-1).tolist() == cur
+            prefix += states[-1]
+    # in phase: each round of blocks takes the forwards of its slowest row's block (one per state after the first,
+    # plus at most one that only confirms the last state), after the prefill
+    slowest = [max(len(states) for states in blocks) for blocks in zip(*out.extras["trajectories"])]
+    assert 1 + sum(s - 1 for s in slowest) <= out.stats.target_forwards <= 1 + sum(slowest)
+    free = generate(model, ids, "jacobi", attention_mask=mask, max_new_tokens=22, n_tokens=n, init="prefix")
+    assert torch.equal(free.sequences, out.sequences)
+    assert free.stats.target_forwards <= out.stats.target_forwards  # waiting costs forwards, saves padding
 
 
 def test_fast_forward_and_stationary_on_hand_built_models():

@@ -142,7 +142,7 @@ class TrajectoryCollector(L.LightningModule):
             ids[r, width - len(p):] = torch.tensor(p)
             mask[r, width - len(p):] = 1
         decoder = JacobiDecoder(self.model, self.n_tokens, self.init, seed=derive_seed(self.seed, split, b),
-                                return_trajectory=True, pad_token_id=pad)
+                                return_trajectory=True, align_blocks=True, pad_token_id=pad)
         out = decoder.generate(ids.to(self.device), self.max_new_tokens, self.tokenizer.eos_token_id,
                                mask.to(self.device))
         records = [make_record(split, i, prompts[r], batch["reference_ids"][r], out.extras["trajectories"][r],

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lit_spec.config import build
@@ -61,11 +61,21 @@ def _instantiate_group(group: DictConfig | None) -> list:
     return [instantiate(c) for c in (group or {}).values() if c is not None and "_target_" in c]
 
 
+def check_method_data(cfg: DictConfig) -> None:
+    """The method reads the batches that the data config builds (e.g. method=cllm needs data=trajectories)."""
+    method, data = get_class(cfg.method._target_), get_class(cfg.data._target_)
+    wanted = getattr(method, "datamodule_class", None)
+    if wanted is not None and not issubclass(data, wanted):
+        raise ConfigError(f"method {method.__name__} trains on {wanted.__name__} batches, but the data config builds "
+                          f"a {data.__name__}: use {method.data_configs}")
+
+
 def run_training(cfg: DictConfig) -> dict[str, float]:
     """Fit ``cfg.method`` on ``cfg.data`` with ``cfg.trainer``; export to ``cfg.export_dir``; return final metrics."""
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     check_hardware(cfg)
+    check_method_data(cfg)
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path and not Path(ckpt_path).exists():
         raise ConfigError(f"ckpt_path={ckpt_path}: no such checkpoint; pass a .ckpt file (or DeepSpeed checkpoint "

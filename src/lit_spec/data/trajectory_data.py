@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import lightning as L
@@ -167,8 +168,8 @@ class TrajectoryDataModule(L.LightningDataModule):
         self.records: dict[str, list[dict]] | None = None
 
     def prepare_data(self) -> None:
-        """Collect the trajectories when ``path`` is null and they are not cached yet: Lightning runs this on one
-        process per node, before ``setup`` on every process."""
+        """Collect the trajectories when ``path`` is null and they are not cached yet (Lightning runs this on one
+        process per node, before ``setup``)."""
         self._resolve_path()
 
     def _resolve_path(self) -> None:
@@ -179,14 +180,20 @@ class TrajectoryDataModule(L.LightningDataModule):
         if self.cache_dir is None:
             raise ConfigError("data.cache_dir is needed to collect trajectories (data.path is null)")
         collect_cfg, out, complete = trajectory_cache(list(self.collect), self.cache_dir)
-        trainer = getattr(self, "trainer", None)
-        if not complete and trainer is not None and trainer.world_size > 1:
-            raise ConfigError(
-                f"the trajectories of data.collect={list(self.collect)} are not collected yet, and a {trainer.world_size}-"
-                "process training run does not collect them (that is a multi-process job of its own): run\n"
-                f"  python -m lit_spec.collect {' '.join(self.collect)} collect.out_dir={out}\n"
-                "first (resumable; the same processes/strategy overrides work there), then this command again")
-        self.path = str(out if complete else run_collection(collect_cfg))
+        if not complete:
+            # A collection inside a training command runs in this one process. A multi-process collection, or a
+            # training job launched as several processes (every one would collect), is a job of its own.
+            trainer = collect_cfg.trainer
+            processes = int(os.environ.get("WORLD_SIZE", "1"))
+            if trainer.get("devices", 1) != 1 or trainer.get("num_nodes", 1) != 1 or processes > 1:
+                raise ConfigError(
+                    f"the trajectories of data.collect={list(self.collect)} are not collected yet, and this run "
+                    f"would collect them with several processes (collect devices={trainer.get('devices')}, "
+                    f"num_nodes={trainer.get('num_nodes')}; training processes: {processes}); collect them first "
+                    f"with\n  python -m lit_spec.collect {' '.join(self.collect)} collect.out_dir={out}\n"
+                    "(resumable), then run this command again: it finds them there")
+            out = run_collection(collect_cfg)
+        self.path = str(out)
         self.source = TrajectorySource(self.path)
 
     def setup(self, stage: str | None = None) -> None:

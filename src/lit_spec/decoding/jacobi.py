@@ -17,7 +17,12 @@ tokens from x"), ``random`` (uniform over the vocabulary), ``pad`` (``init_token
 start of every ``generate`` call, so a decode is reproducible.
 
 Batches: every row runs its own blocks and converges on its own; the forward block is right-padded to the longest
-row's, and padding never enters the cache.
+row's, and padding never enters the cache. Rows drift out of phase (one fast-forwards, then opens its next 16-token
+block while the others are down to a few tokens), and the padding grows with the drift. ``align_blocks=True`` keeps
+them in phase: a row whose block reached its fixed point sits idle (fed nothing, counted nowhere) until every row's
+block has, and then all open their next blocks together. Any guess gives the same fixed points, so the output is
+the same; the trajectories differ only in the random initial guesses drawn (the draw order changes). Trajectory
+collection uses it.
 
 ``return_trajectory=True`` puts the Jacobi trajectories in ``DecodeOutput.extras["trajectories"]`` (what CLLM's data
 collection, Algorithm 1, stores): per prompt a list of blocks, each a list of states (lists of token ids) from the
@@ -119,13 +124,15 @@ class _Block:
 @register("jacobi")
 class JacobiDecoder(Decoder):
     def __init__(self, model, n_tokens: int = 16, init: str = "prefix", init_token: int | None = None,
-                 seed: int | None = 0, return_trajectory: bool = False, temperature: float = 0.0, **kwargs):
+                 seed: int | None = 0, return_trajectory: bool = False, align_blocks: bool = False,
+                 temperature: float = 0.0, **kwargs):
         super().__init__(model, **kwargs)
         self.n_tokens = check_count("n_tokens", n_tokens)
         if temperature != 0:
             raise ConfigError(f"jacobi: temperature={temperature}; Jacobi decoding is greedy only (temperature 0)")
         self.guess = GuessMaker(model, init, init_token, self.pad_token_id, seed)
         self.return_trajectory = bool(return_trajectory)
+        self.align_blocks = bool(align_blocks)
 
     def initial_guess(self, context: list[int], size: int) -> list[int]:
         """Guesses for the ``size`` tokens after ``context`` (the row's prompt and output so far): ``init``'s; a
@@ -139,6 +146,7 @@ class JacobiDecoder(Decoder):
         trajectories: list[list[list[list[int]]]] = [[] for _ in range(batch)]
         counts = {"iterations": 0, "blocks": 0}
         blocks: dict[int, _Block] = {}
+        idle: set[int] = set()           # align_blocks: rows at their block's fixed point, waiting for the others
 
         def open_block(row: int, first: bool) -> None:
             out = state.out[row]
@@ -165,11 +173,15 @@ class JacobiDecoder(Decoder):
             """After a commit: close blocks that are complete or whose row finished, open the next ones."""
             active = set(state.active)
             for row in rows:
-                block = blocks[row]
-                if row not in active or block.fixed >= len(block.tokens):
+                block = blocks.get(row)
+                if block is not None and (row not in active or block.fixed >= len(block.tokens)):
                     close_block(row)
                     if row in active:
-                        open_block(row, first=False)
+                        idle.add(row)
+            if not self.align_blocks or not blocks.keys() & active:   # aligned: once every active row is done
+                for row in sorted(idle & active):
+                    open_block(row, first=False)
+                idle.clear()
 
         first = state.prefill().argmax(-1).tolist()
         rows = list(state.active)
@@ -183,8 +195,9 @@ class JacobiDecoder(Decoder):
             rows = list(state.active)
             inputs = []
             for row in rows:     # [pending token (the row's last output), the block's unfixed guesses but the last]
-                block = blocks[row]
-                inputs.append(state.out[row][-1:] + block.tokens[block.fixed: len(block.tokens) - 1])
+                block = blocks.get(row)
+                inputs.append([] if block is None else      # idle (align_blocks): all padding, nothing kept
+                              state.out[row][-1:] + block.tokens[block.fixed: len(block.tokens) - 1])
             lengths = torch.tensor([len(x) for x in inputs], device=device)
             q = max(len(x) for x in inputs)
             ids = torch.tensor([x + [self.pad_token_id] * (q - len(x)) for x in inputs], device=device)
@@ -192,20 +205,22 @@ class JacobiDecoder(Decoder):
             real = slots < lengths[:, None]
             # right padding of shorter rows: after every real token (causal: never seen), at depth 0, never kept
             predicted = state.forward(ids, causal(q, device), torch.where(real, slots, 0)).argmax(-1).tolist()
-            accepted = [greedy_accept_length(x[1:], p) for x, p in zip(inputs, predicted)]
-            state.keep_prefix(q, [a + 1 for a in accepted])
+            # fixed this iteration: the pending token's prediction and every guess that equalled it (0 when idle)
+            fixed = [greedy_accept_length(x[1:], p) + 1 if x else 0 for x, p in zip(inputs, predicted)]
+            state.keep_prefix(q, fixed)
             before = [len(state.out[row]) for row in rows]
-            state.commit([predicted[r][: accepted[r] + 1] for r in range(len(rows))],
-                         advance=[a + 1 for a in accepted], drafted=[len(inputs[r]) - 1 for r in range(len(rows))])
+            state.commit([predicted[r][: fixed[r]] for r in range(len(rows))], advance=fixed,
+                         drafted=[max(len(x) - 1, 0) for x in inputs])
             stats = state.stats
-            for r, row in enumerate(rows):
+            busy = [(r, row) for r, row in enumerate(rows) if inputs[r]]
+            for r, row in busy:
                 block, n_in = blocks[row], len(inputs[r])
                 block.tokens[block.fixed:] = predicted[r][:n_in]          # the next Jacobi state
                 committed = len(state.out[row]) - before[r]
                 block.fixed += committed
                 block.states.append(list(block.tokens))
                 stats.fast_forwarded += committed - 1
-            counts["iterations"] += len(rows)
+            counts["iterations"] += len(busy)
             advance(rows)
 
         extras = {

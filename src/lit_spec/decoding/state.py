@@ -121,14 +121,18 @@ class DecodeState:
         """Append ``tokens[r]`` to active row r (cut at EOS / max_new_tokens); the last committed token becomes the
         row's pending token. ``advance[r]``: how many of the row's positions entered the cache in this step.
 
-        ``tokens[r]`` is the accepted proposals followed by the target's own next token; ``drafted[r]`` the number
-        of tokens proposed for verification. Accepted tokens are counted as they are *output* (after the cut), so
-        ``new_tokens == row_forwards + accepted_tokens`` for every method.
+        ``tokens[r]`` is the accepted proposals followed by the target's own next token (empty for a row that sat
+        idle in the forward: it is not counted); ``drafted[r]`` the number of tokens proposed for verification.
+        Accepted tokens are counted as they are *output* (after the cut), so ``new_tokens == row_forwards +
+        accepted_tokens`` for every method.
         """
         counts, pending = [], []
         for r, new in enumerate(tokens):
             if drafted is not None:
                 self.stats.drafted_tokens += drafted[r]
+            if not new:  # an idle row (it waited in this forward, e.g. Jacobi's aligned blocks): nothing to count
+                pending.append(self.out[self.active[r]][-1])
+                continue
             row = self.out[self.active[r]]
             room = self.max_new_tokens - len(row)
             new = new[:room]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import lightning as L
 import torch
 
+from lit_spec.data import PromptDataModule
 from lit_spec.methods.optim import build_optimizer
 from lit_spec.models import spec_from_dict
 
@@ -23,6 +24,11 @@ class MethodModule(L.LightningModule):
         model_spec: the ``model`` group's spec (or its dict, when restored from a checkpoint).
         lr, weight_decay, betas, warmup_steps, scheduler, min_lr_ratio: AdamW + warmup/decay schedule.
     """
+
+    #: the datamodule whose batches ``training_step`` reads (checked from the config before any work), and the
+    #: data configs that build it
+    datamodule_class: type = PromptDataModule
+    data_configs: str = "a prompt dataset: data=stdlib_code, gsm8k, spider, code_search_net, sharegpt"
 
     def __init__(self, model_spec, lr: float = 2e-5, weight_decay: float = 0.0, betas: tuple = (0.9, 0.999),
                  warmup_steps: int = 0, scheduler: str = "cosine", min_lr_ratio: float = 0.1, **method_hparams):

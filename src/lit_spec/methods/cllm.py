@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from lit_spec.data import IGNORE_INDEX
+from lit_spec.data import IGNORE_INDEX, TrajectoryDataModule
 from lit_spec.data.trajectory_data import AR_TARGETS
 from lit_spec.decoding.jacobi import JacobiDecoder, check_count
 from lit_spec.errors import ConfigError
@@ -33,6 +33,9 @@ class CLLMModule(MethodModule):
         ar_target: what the AR loss fits (``generated``: the target's answer l, eq. 6; ``dataset``: the reference);
             read by the datamodule (``data.ar_target``), recorded here.
     """
+
+    datamodule_class = TrajectoryDataModule
+    data_configs = "data=trajectories (collected Jacobi trajectories: data.path, or data.collect to collect them)"
 
     def __init__(self, model_spec, n_tokens: int = 16, consistency: str = "global", distance: str = "forward_kl",
                  jsd_beta: float = 0.5, ar_weight: float = 10.0, ar_target: str = "generated", **kwargs):
