@@ -101,6 +101,39 @@ def test_crop_and_keep_positions_match_direct_cache(models):
     assert state.past_valid.shape == (1, 9) and state.past_valid.all()
 
 
+def test_growing_layer_equals_dynamic_layer():
+    """``GrowingLayer`` (appends in place) holds what transformers' ``DynamicLayer`` holds through appends that outgrow
+    its buffer, crops, in-place moves (``keep_positions``) and row selection."""
+    from transformers.cache_utils import DynamicLayer
+
+    g = torch.Generator().manual_seed(0)
+    ours, theirs = kv.GrowingLayer(), DynamicLayer()
+
+    def append(n: int) -> None:
+        rows = 3 if ours.keys is None else ours.keys.size(0)
+        k, v = torch.randn(rows, 2, n, 4, generator=g), torch.randn(rows, 2, n, 4, generator=g)
+        for layer in (ours, theirs):
+            out = layer.update(k, v)
+        assert torch.equal(out[0], theirs.keys) and torch.equal(ours.keys, theirs.keys)
+        assert torch.equal(ours.values, theirs.values)
+
+    append(40)
+    append(50)                                   # past the first buffer (64): regrown, old entries copied
+    for layer in (ours, theirs):
+        layer.crop(-7)
+    append(5)
+    cache_like = type("C", (), {"layers": [ours]})()
+    kv.keep_positions(cache_like, 80, [0, 2, 3])  # the block's entries 80.. -> 80, 82, 83
+    theirs.keys = torch.cat([theirs.keys[..., :80, :], theirs.keys[..., [80, 82, 83], :]], dim=-2)
+    theirs.values = torch.cat([theirs.values[..., :80, :], theirs.values[..., [80, 82, 83], :]], dim=-2)
+    assert torch.equal(ours.keys, theirs.keys)
+    append(2)
+    for layer in (ours, theirs):
+        layer.batch_select_indices(torch.tensor([0, 2]))
+    append(3)                                    # a replaced tensor becomes the new buffer
+    assert ours.keys.shape == (2, 2, 88, 4)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_rollback_after_rejection(models, arch):
     """Batch of two: a 4-token block of which row 0 keeps 2 and row 1 keeps 3; row 0's rejected tail becomes a

@@ -8,10 +8,41 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys/values are views of a buffer that grows by doubling, so a forward appends its new
+    entries in place instead of re-concatenating the whole past (``DynamicLayer.update`` copies every layer's cache
+    on every forward, which dominates small blocks on CPU). Crop and in-place edits keep the views on the buffer;
+    anything that replaces the tensors (row selection) is adopted as a new buffer at the next update."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.size(-2)
+        buffers = getattr(self, "_buffers", None)
+        if (buffers is None or length + new > buffers[0].size(-2) or buffers[0].shape[:2] != key_states.shape[:2]
+                or (length and self.keys.data_ptr() != buffers[0].data_ptr())):
+            capacity = max(2 * (length + new), 64)
+            buffers = tuple(s.new_empty(*s.shape[:2], capacity, s.size(-1)) for s in (key_states, value_states))
+            if length:
+                buffers[0][..., :length, :] = self.keys
+                buffers[1][..., :length, :] = self.values
+            self._buffers = buffers
+        keys, values = self._buffers
+        keys[..., length: length + new, :] = key_states
+        values[..., length: length + new, :] = value_states
+        self.keys, self.values = keys[..., : length + new, :], values[..., : length + new, :]
+        return self.keys, self.values
 
 
 def new_cache(model) -> DynamicCache:
-    return DynamicCache(config=model.config)
+    """transformers' ``DynamicCache`` for ``model`` (sliding-window layers as the config says), its full-attention
+    layers growing in place (``GrowingLayer``)."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 def cache_length(cache: DynamicCache) -> int:
