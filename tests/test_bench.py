@@ -71,7 +71,7 @@ def test_bench_scores_the_greedy_answers(micro_dirs, tmp_path):
     outputs, refs = [[7] * 8, [5, 6, 7]], [[5, 6, 7], [5, 6, 7]]
     texts = [tokenizer.decode(o) for o in outputs]
     assert RepetitionFilter().reason(outputs[0], texts[0]) and not RepetitionFilter().reason(outputs[1], texts[1])
-    quality = answer_quality(outputs, refs, tokenizer, "token_f1", token_f1)
+    quality = answer_quality(outputs, refs, tokenizer, "token_f1")
     assert quality["repetitive"] == 0.5 and quality["mean_new_tokens"] == 5.5
     assert quality["token_f1"] == pytest.approx((token_f1(texts[0], texts[1]) + 1.0) / 2)
     with pytest.raises(ConfigError, match="metric"):

@@ -28,8 +28,8 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lit_spec.data.metrics import get_metric
-from lit_spec.decoding import DECODERS, DecodeStats, Decoder
+from lit_spec.data.metrics import score_answers
+from lit_spec.decoding import DECODERS, DecodeStats, Decoder, new_tokens
 from lit_spec.decoding.verify import greedy_accept_length
 from lit_spec.errors import ConfigError
 
@@ -124,10 +124,7 @@ class SpeedupCallback(L.Callback):
         for record in records:
             ids = torch.tensor([record["prompt_ids"]], device=device)
             out = decoder.generate(ids, max_new_tokens=self.max_new_tokens, eos_token_id=eos)
-            new = out.sequences[0, ids.size(1):].tolist()
-            if eos is not None and eos in new:
-                new = new[: new.index(eos) + 1]
-            run.outputs.append(new)
+            run.outputs.append(new_tokens(out.sequences, ids.size(1), eos))
             run.stats = run.stats + out.stats
             run.extras.append(out.extras)
         return run
@@ -172,10 +169,14 @@ class SpeedupCallback(L.Callback):
                     metrics[f"{prefix}/{name}"] = _mean(values)
         return metrics
 
+    def _keep_original(self, outputs: list[list[int]]) -> None:
+        """The first outputs decoded: the model as it was before training (kept in the callback's state)."""
+        if self.reference is None:
+            self.reference = {"prompt_ids": [r["prompt_ids"] for r in self.records], "outputs": outputs}
+
     def _quality(self, outputs: list[list[int]], dm) -> dict[str, float]:
         prompts = [r["prompt_ids"] for r in self.records]
-        if self.reference is None:  # the first call: the model as it was before training
-            self.reference = {"prompt_ids": prompts, "outputs": outputs}
+        self._keep_original(outputs)
         original = {tuple(p): o for p, o in zip(self.reference["prompt_ids"], self.reference["outputs"])}
         pairs = [(o, original[tuple(p)]) for p, o in zip(prompts, outputs) if tuple(p) in original]
         metrics = {}
@@ -184,18 +185,15 @@ class SpeedupCallback(L.Callback):
             metrics["quality/token_agreement"] = _mean(greedy_accept_length(o, r) / max(len(r), 1) for o, r in pairs)
         name = getattr(dm, "metric", None)
         if name:
-            score = get_metric(name)
-            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-            metrics[f"quality/{name}"] = _mean(score(decode(o), decode(r["answer_ids"]))
-                                               for o, r in zip(outputs, self.records))
+            metrics[f"quality/{name}"] = score_answers(name, outputs, [r["answer_ids"] for r in self.records],
+                                                       self.tokenizer)
         return metrics
 
     # ---- hooks ------------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.at_train_start:
             if self.reference is None:  # still take the original outputs before the first step
-                outputs = self._decode_all(trainer, pl_module, only_ar=True)["ar"].outputs
-                self.reference = {"prompt_ids": [r["prompt_ids"] for r in self.records], "outputs": outputs}
+                self._keep_original(self._decode_all(trainer, pl_module, only_ar=True)["ar"].outputs)
             return
         metrics = self.measure(trainer, pl_module)
         if trainer.is_global_zero:  # pl_module.log is not allowed in on_train_start

@@ -56,3 +56,11 @@ def get_metric(name: str) -> Callable[[str, str], float]:
     if name not in METRICS:
         raise ConfigError(f"data.metric={name!r}: choose one of {sorted(METRICS)} (or null for none)")
     return METRICS[name]
+
+
+def score_answers(name: str, outputs: list[list[int]], references: list[list[int]], tokenizer) -> float:
+    """Mean of metric ``name`` over decoded answers (token ids) against the dataset's (token ids), as texts."""
+    score = get_metric(name)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    pairs = list(zip(outputs, references))
+    return sum(score(decode(o), decode(r)) for o, r in pairs) / len(pairs) if pairs else 0.0

@@ -63,6 +63,15 @@ class Decoder(ABC):
     def _decode(self, state: DecodeState) -> dict | None: ...
 
 
+def new_tokens(sequences: torch.Tensor, prompt_len: int, eos: int | None) -> list[int]:
+    """The tokens after the prompt of ``sequences``' first row, up to and including the first ``eos`` (padding after
+    it dropped): what a decoder or ``model.generate`` answered."""
+    new = sequences[0, prompt_len:].tolist()
+    if eos is not None and eos in new:
+        new = new[: new.index(eos) + 1]
+    return new
+
+
 def generate(model, input_ids: torch.Tensor, method: str = "ar", max_new_tokens: int = 128,
              eos_token_id=None, attention_mask=None, **params) -> DecodeOutput:
     """``generate(model, ids, method="jacobi", n_tokens=16, max_new_tokens=256)``: build the decoder and run it."""

@@ -13,9 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from lit_spec.config import build
-from lit_spec.data.metrics import get_metric
+from lit_spec.data.metrics import get_metric, score_answers
 from lit_spec.data.trajectories import RepetitionFilter
-from lit_spec.decoding.base import DECODERS, Decoder
+from lit_spec.decoding.base import DECODERS, Decoder, new_tokens
 from lit_spec.decoding.stats import DecodeStats, sync_device
 from lit_spec.errors import ConfigError
 from lit_spec.io import write_json
@@ -53,13 +53,6 @@ def load_prompts(cfg: DictConfig, tokenizer) -> tuple[list[torch.Tensor], list[l
     return [torch.tensor(split[i]["prompt_ids"])[None] for i in range(n)], [split[i]["answer_ids"] for i in range(n)]
 
 
-def _new_tokens(sequence: torch.Tensor, prompt_len: int, eos: int | None) -> list[int]:
-    new = sequence[0, prompt_len:].tolist()
-    if eos is not None and eos in new:
-        new = new[: new.index(eos) + 1]
-    return new
-
-
 class HFPeer:
     """transformers' ``generate`` in one of its modes, timed like our decoders (stats: tokens and wall time)."""
 
@@ -85,7 +78,7 @@ class HFPeer:
                                   eos_token_id=eos_token_id, **self.kwargs)
         sync_device(ids.device)
         stats = DecodeStats(wall_time=time.perf_counter() - start)
-        stats.new_tokens = len(_new_tokens(out, ids.size(1), eos_token_id))
+        stats.new_tokens = len(new_tokens(out, ids.size(1), eos_token_id))
         return out, stats
 
 
@@ -125,7 +118,8 @@ def _decode(runner, ids, max_new_tokens, eos):
 def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     torch.manual_seed(cfg.seed)
     device = _device(cfg.bench.device)
-    score = None if cfg.bench.get("metric") is None else get_metric(cfg.bench.metric)
+    if cfg.bench.get("metric") is not None:
+        get_metric(cfg.bench.metric)  # an unknown name fails here, before any work
     spec, model = _load(cfg.model, device)
     tokenizer = spec.load_tokenizer()
     draft = None
@@ -150,7 +144,7 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
             for name, runner in runners.items():
                 seq, stats = _decode(runner, ids, max_new, eos)
                 totals[name] = totals[name] + stats
-                outputs[name].append(_new_tokens(seq, ids.size(1), eos))
+                outputs[name].append(new_tokens(seq, ids.size(1), eos))
                 bar.set_postfix(method=name, tok_s=f"{stats.tokens_per_s:.0f}")
                 bar.update()
 
@@ -169,13 +163,12 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
             "forward_time": stats.forward_time, "draft_time": stats.draft_time,
             "engine_overhead": stats.engine_overhead if stats.forward_time else None,
         }
-    results["quality"] = answer_quality(outputs["ar"], references, tokenizer, cfg.bench.get("metric"), score)
+    results["quality"] = answer_quality(outputs["ar"], references, tokenizer, cfg.bench.get("metric"))
     write_report(results, out_dir)
     return results
 
 
-def answer_quality(outputs: list[list[int]], references: list[list[int]], tokenizer, metric: str | None,
-                   score) -> dict:
+def answer_quality(outputs: list[list[int]], references: list[list[int]], tokenizer, metric: str | None) -> dict:
     """How good the greedy answers are (the same for every lossless method): the share that the collection's
     repetition filter flags (``RepetitionFilter`` defaults), and ``metric``'s mean score against the dataset's
     answers when one is named."""
@@ -183,9 +176,8 @@ def answer_quality(outputs: list[list[int]], references: list[list[int]], tokeni
     flag = RepetitionFilter()
     quality = {"repetitive": sum(flag.reason(o, t) is not None for o, t in zip(outputs, texts)) / len(outputs),
                "mean_new_tokens": sum(map(len, outputs)) / len(outputs)}
-    if score is not None:
-        refs = [tokenizer.decode(r, skip_special_tokens=True) for r in references]
-        quality[metric] = sum(score(t, r) for t, r in zip(texts, refs)) / len(texts)
+    if metric is not None:
+        quality[metric] = score_answers(metric, outputs, references, tokenizer)
     return quality
 
 

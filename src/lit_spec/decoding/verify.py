@@ -12,8 +12,9 @@ import torch
 
 def greedy_accept_length(proposal: list[int], target_tokens: list[int]) -> int:
     """How many leading tokens of ``proposal`` equal the target's argmax at the position before each of them
-    (``target_tokens``): the length of the two lists' common prefix, the one prefix counter of the package. Plain lists: a handful of tokens per step, compared faster in Python than
-    by a chain of small tensor ops (the tokens are needed on the host to commit anyway)."""
+    (``target_tokens``): the length of the two lists' common prefix, the one prefix counter of the package. Plain
+    lists: a handful of tokens per step, compared faster in Python than by a chain of small tensor ops (the tokens
+    are needed on the host to commit anyway)."""
     n = 0
     for proposed, target in zip(proposal, target_tokens):
         if proposed != target:
