@@ -20,8 +20,9 @@ CONF = config_dir()
 # groups of another entry config than train.yaml (decoding belongs to bench.yaml; chosen as a list)
 PRIMARY = {"decoding": "bench"}
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in {"hydra", "experiment"})
-# a config that deliberately leaves a value for the user (model=hf: name_or_path is mandatory)
-MANDATORY = {("model", "hf"): {"model.name_or_path"}}
+# configs that deliberately leave a value to the user (model=hf: name_or_path; decoding=chimera/medusa: the heads)
+MANDATORY = {("model", "hf"): {"model.name_or_path"}, ("decoding", "chimera"): {"decoding.chimera.heads"},
+             ("decoding", "medusa"): {"decoding.medusa.heads"}}
 # hydra.utils helpers whose `path` names a second thing to import
 LOCATORS = {"hydra.utils.get_method", "hydra.utils.get_class", "hydra.utils.get_object"}
 

@@ -35,6 +35,7 @@ class Decoder(ABC):
     """One decoding method over a target model. Subclasses implement ``_decode(state)``."""
 
     name = "decoder"
+    record_hidden = False   # the decode needs the target's last hidden states (``DecodeState.hidden``)
 
     def __init__(self, model, pad_token_id: int | None = None):
         self.model = model
@@ -51,7 +52,8 @@ class Decoder(ABC):
                  attention_mask: torch.Tensor | None = None) -> DecodeOutput:
         """Decode ``input_ids`` [B, L] (left-padded when ``attention_mask`` marks padding) for up to
         ``max_new_tokens``, stopping a row at ``eos_token_id``."""
-        state = DecodeState(self.model, input_ids, attention_mask, max_new_tokens, eos_token_id)
+        state = DecodeState(self.model, input_ids, attention_mask, max_new_tokens, eos_token_id,
+                            self.record_hidden)
         sync_device(input_ids.device)
         start = time.perf_counter()
         extras = self._decode(state) or {}

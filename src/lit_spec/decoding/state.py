@@ -5,6 +5,10 @@ a block whose first token is the pending one, followed by whatever the method pr
 tree nodes); the logits at a block position predict the token after it. After verification the decoder commits the
 accepted tokens and marks which block positions stay in the cache; rejected ones become masked holes (batch) or are
 cropped away (when every row rejected them), so the cache always equals the cache of the accepted prefix.
+
+With ``record_hidden`` the state also keeps ``hidden``: the target's last-layer hidden states (what its LM head
+reads) of the positions the last step added to the cache (the prompt after ``prefill``, the pending token and the
+accepted path after ``keep_path``): what draft heads on the target (Medusa, Chimera) read.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ def eos_ids(eos_token_id: int | list[int] | None) -> set[int]:
 
 class DecodeState:
     def __init__(self, model, input_ids: torch.Tensor, attention_mask_2d: torch.Tensor | None,
-                 max_new_tokens: int, eos_token_id: int | list[int] | None):
+                 max_new_tokens: int, eos_token_id: int | list[int] | None, record_hidden: bool = False):
         if input_ids.dim() != 2 or input_ids.size(1) == 0:
             raise ConfigError(f"input_ids must be a non-empty [batch, length] tensor, got shape {tuple(input_ids.shape)}")
         if attention_mask_2d is None:
@@ -52,6 +56,8 @@ class DecodeState:
         self.past_valid = attention_mask_2d.bool()
         self.next_pos = attention_mask_2d.sum(-1)          # position id of each active row's pending token
         self.pending: torch.Tensor | None = None
+        self.record_hidden = record_hidden
+        self.hidden: torch.Tensor | None = None            # [B, positions, d] (``record_hidden``)
         self.dtype = next(model.parameters()).dtype
         # transformers' causal LMs compute logits only where asked (``logits_to_keep``); others get sliced after
         self.model_selects_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -85,11 +91,14 @@ class DecodeState:
         return logits
 
     def _run(self, ids, mask, position_ids, logits_at: torch.Tensor | None) -> torch.Tensor:
-        kwargs = {}
+        kwargs = {"output_hidden_states": True} if self.record_hidden else {}
         if logits_at is not None and self.model_selects_logits:
             kwargs["logits_to_keep"] = logits_at.to(ids.device)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                            past_key_values=self.cache, use_cache=True, **kwargs).logits
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                         past_key_values=self.cache, use_cache=True, **kwargs)
+        if self.record_hidden:
+            self.hidden = out.hidden_states[-1]
+        logits = out.logits
         return logits if logits_at is None or self.model_selects_logits else logits[:, logits_at.to(ids.device)]
 
     # ---- committing -----------------------------------------------------------------------------------------
@@ -109,6 +118,8 @@ class DecodeState:
         (increasing: the pending token and the accepted path), moved to a contiguous run after the past."""
         start = self.past_valid.size(1) - q
         kv.keep_positions(self.cache, start, keep)
+        if self.hidden is not None:
+            self.hidden = self.hidden[:, keep]
         self.past_valid = self.past_valid[:, : start + len(keep)]
         self.past_valid[:, start:] = True
 

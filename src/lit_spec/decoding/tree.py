@@ -184,22 +184,28 @@ class DraftCandidates:
 
 @register("tree")
 class TreeDecoder(Decoder):
+    needs_draft = True   # candidates from ``draft_model`` unless given; subclasses with their own source say False
+
     def __init__(self, model, tree=(3, 2, 1, 1), draft_model=None, candidates: Candidates | None = None,
                  temperature: float = 0.0, **kwargs):
         super().__init__(model, **kwargs)
         if temperature != 0:
             raise ConfigError(f"tree: temperature={temperature}; tree verification is greedy only (temperature 0)")
-        if candidates is None:
+        if candidates is None and self.needs_draft:
             check_draft(model, draft_model, "tree")
         self.spec = TreeSpec.parse(tree)
         self.draft_model, self.candidates = draft_model, candidates
 
+    def new_candidates(self, state: DecodeState) -> Candidates:
+        """The candidate source of one decode (fresh per call: a source may keep per-decode state)."""
+        if self.candidates is not None:
+            return self.candidates
+        check_context(self.draft_model, state, self.name)
+        return DraftCandidates(self.draft_model)
+
     def _decode(self, state: DecodeState) -> None:
         state.require_single_row(self.name)
-        candidates = self.candidates
-        if candidates is None:
-            check_context(self.draft_model, state, self.name)
-            candidates = DraftCandidates(self.draft_model)
+        candidates = self.new_candidates(state)
         state.commit([[int(state.prefill()[0].argmax(-1))]], advance=[0])
         specs: dict[int, TreeSpec] = {}
         while not state.finished:

@@ -1,0 +1,142 @@
+"""``medusa`` and ``chimera``: tree-verified decoding whose candidates come from draft heads on the target
+(``lit_spec.models.heads``). Greedy verification (``tree``) makes both lossless whatever the heads predict.
+
+Each step the heads read the target's last-layer hidden states of the verified prefix (``DecodeState.hidden``, no
+extra target forward) and give the top-k tokens of the next ``depth`` positions after the pending token; the static
+tree (``TreeSpec``) is built from them and verified in one target forward.
+
+- Medusa: head k's top-k from ``h_LLM_n``, all heads in one call.
+- Chimera: the full-context block attends to the keys/values of every base state and n-gram state so far (kept
+  across steps, computed once per token) and runs once per depth: the query of depth 1 is the n-gram of the pending
+  token, the query of depth d+1 the n-gram that ends with depth d's top-1 token (the training mask's view,
+  ``models.heads.full_context_mask``). n-gram states come through the LRU ``NGramCache`` (``ngram_cache`` entries;
+  0 disables it).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lit_spec.decoding.base import register
+from lit_spec.decoding.state import DecodeState
+from lit_spec.decoding.stats import sync_device
+from lit_spec.decoding.tree import TreeDecoder
+from lit_spec.errors import ConfigError
+from lit_spec.models.heads import ChimeraDraft, DraftHeads, MedusaHeads, NGramCache, load_heads
+
+
+class _Timed:
+    """Adds a candidate source's time and module calls to the decode's draft counters."""
+
+    def _count(self, state: DecodeState, start: float, calls: int) -> None:
+        sync_device(state.pending.device)
+        state.stats.draft_time += time.perf_counter() - start
+        state.stats.draft_forwards += calls
+
+
+class MedusaCandidates(_Timed):
+    def __init__(self, heads: MedusaHeads):
+        self.heads = heads
+
+    @torch.no_grad()
+    def __call__(self, state: DecodeState, depth: int, k: int) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = self.heads(state.hidden[0, -1])[:depth]            # h_LLM_n: the last position cached
+        self._count(state, start, 1)
+        return logits.topk(k, dim=-1).indices
+
+
+class ChimeraCandidates(_Timed):
+    """One decode's drafting state: the full-context block's keys/values of the base states (every token but the
+    pending one) and of the n-gram states (every token), each computed once."""
+
+    def __init__(self, draft: ChimeraDraft, embed: torch.nn.Module, cache: NGramCache, prompt: list[int]):
+        self.draft, self.embed, self.cache, self.prompt = draft, embed, cache, prompt
+        self.llm: list[torch.Tensor] | None = None   # [keys, values] of the base states, [1, heads, L, dh]
+        self.tri: list[torch.Tensor] | None = None   # [keys, values] of the n-gram states
+        self.encoded = 0                              # tokens whose n-gram state is in ``tri``
+
+    def _ngram_states(self, tokens: list[int], ends: range) -> torch.Tensor:
+        g = self.draft.ngram
+        grams = [tuple(tokens[i] if i >= 0 else -1 for i in range(end - g + 1, end + 1)) for end in ends]
+        return self.cache.states(self.draft, self.embed, grams)
+
+    @staticmethod
+    def _extend(kv: list[torch.Tensor] | None, new: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
+        return list(new) if kv is None else [torch.cat([a, b], dim=2) for a, b in zip(kv, new)]
+
+    @torch.no_grad()
+    def __call__(self, state: DecodeState, depth: int, k: int) -> torch.Tensor:
+        start = time.perf_counter()
+        block, tokens = self.draft.block, self.prompt + state.out[0]     # tokens[-1]: the pending token
+        self.llm = self._extend(self.llm, block.keys_values(state.hidden[:1]))
+        if self.llm[0].size(2) != len(tokens) - 1:
+            raise RuntimeError(f"chimera: {self.llm[0].size(2)} base states for {len(tokens) - 1} cached tokens")
+        tri = self._ngram_states(tokens, range(self.encoded, len(tokens)))
+        self.tri, self.encoded = self._extend(self.tri, block.keys_values(tri[None])), len(tokens)
+        query, llm_last = tri[-1], state.hidden[0, -1]                    # n-gram of x_{n+1}; h_LLM_n
+        keys, values = (torch.cat([a, b], dim=2) for a, b in zip(self.llm, self.tri))
+        top = []
+        for d in range(depth):
+            full = block(query[None, None], keys, values, None)[0, 0]
+            top.append(self.draft.heads[d](self.draft.head_input(llm_last, full)).topk(k).indices)
+            if d + 1 < depth:                          # the next query: the n-gram ending with this depth's top-1
+                tokens = tokens + [int(top[-1][0])]
+                query = self._ngram_states(tokens, range(len(tokens) - 1, len(tokens)))[0]
+                new_k, new_v = block.keys_values(query[None, None])
+                keys, values = torch.cat([keys, new_k], dim=2), torch.cat([values, new_v], dim=2)
+        self._count(state, start, depth)
+        return torch.stack(top)
+
+
+def _check_depth(heads: DraftHeads, decoder: TreeDecoder) -> None:
+    if decoder.spec.depth > heads.num_heads:
+        raise ConfigError(f"{decoder.name}: the tree is {decoder.spec.depth} deep but the heads predict "
+                          f"{heads.num_heads} positions: use a tree of depth <= {heads.num_heads}")
+
+
+def _heads(heads, kind: type, model) -> DraftHeads:
+    """``heads`` (a module or a ``save_heads`` directory) checked against the kind and the base it drafts for."""
+    if isinstance(heads, (str, bytes)) or hasattr(heads, "__fspath__"):
+        heads = load_heads(heads)[0].to(model.device)
+    if not isinstance(heads, kind):
+        raise ConfigError(f"heads: expected {kind.kind} heads, got {type(heads).__name__}")
+    size, vocab = model.config.hidden_size, model.get_output_embeddings().weight.size(0)
+    if (heads.hidden_size, heads.vocab_size) != (size, vocab):
+        raise ConfigError(f"heads: trained for hidden size {heads.hidden_size} and vocabulary {heads.vocab_size}, "
+                          f"but the model has {size} and {vocab}: load them onto the base they were trained on")
+    return heads
+
+
+@register("medusa")
+class MedusaDecoder(TreeDecoder):
+    """Tree decoding with Medusa-1 heads (``heads``: a ``MedusaHeads`` or a directory from ``save_heads``)."""
+
+    record_hidden = True
+
+    def __init__(self, model, heads, tree=(3, 2, 1, 1), **kwargs):
+        self.heads = _heads(heads, MedusaHeads, model)
+        super().__init__(model, tree=tree, candidates=MedusaCandidates(self.heads), **kwargs)
+        _check_depth(self.heads, self)
+
+
+@register("chimera")
+class ChimeraDecoder(TreeDecoder):
+    """Tree decoding with Chimera's draft (``heads``: a ``ChimeraDraft`` or a directory from ``save_heads``);
+    ``ngram_cache``: entries of the LRU n-gram cache (0: off)."""
+
+    record_hidden, needs_draft = True, False
+
+    def __init__(self, model, heads, tree=(3, 2, 1, 1), ngram_cache: int = 4096, **kwargs):
+        self.heads = _heads(heads, ChimeraDraft, model)
+        if isinstance(ngram_cache, bool) or not isinstance(ngram_cache, int) or ngram_cache < 0:
+            raise ConfigError(f"ngram_cache={ngram_cache!r}: must be an integer >= 0 (0 disables the cache)")
+        super().__init__(model, tree=tree, **kwargs)
+        _check_depth(self.heads, self)
+        self.cache = NGramCache(ngram_cache)      # kept across decodes: n-gram states do not depend on context
+
+    def new_candidates(self, state: DecodeState) -> ChimeraCandidates:
+        prompt = state.prompt[0][state.prompt_mask[0].bool()].tolist()
+        return ChimeraCandidates(self.heads, self.model.get_input_embeddings(), self.cache, prompt)

@@ -1,0 +1,269 @@
+"""Draft heads on a frozen base LLM: Chimera's lightweight draft model and the Medusa-1 baseline heads.
+
+Both read the base's last-layer hidden states (the ones its LM head reads) and predict the tokens after the base's
+own next token: for a prefix of n tokens the base predicts token n+1 and head k (k = 0..K-1) token n+2+k. They own
+only their parameters; the base, embeddings and LM head included, is frozen and never saved with them
+(``save_heads`` / ``load_heads``).
+
+Chimera (Zeng et al. 2024, §4.1). The paper leaves open which states eq. 3-4 may read at decoding time; the
+reading implemented here is leak-free and the same in training and decoding:
+- n-gram encoder (eq. 2): ``h_tri_i = W2 SiLU(W1 [x_{i-g+1}; ...; x_i])`` over the base's embeddings (g = 3: the
+  trigram encoder); the first tokens of a sequence get zeros for the embeddings they lack (the paper's collapsed
+  unigram and bigram).
+- full-context encoder (eq. 3): one transformer block whose queries are n-gram states and whose keys/values are
+  ``[H_LLM ; H_tri]``. For head k the query is the n-gram of token j = n+1+k, and it may see the base's states of
+  tokens <= n and the n-grams of tokens <= j: when drafting, the base has run on the prefix only, token n+1 is the
+  base's own next token and tokens n+2..j are the previous heads' top-1 guesses (the true tokens in training). The
+  n-gram part is Fig. 3's rule (an n-gram that contains a future token is masked); the base part is cut at n, the
+  head's offset. The block has no position encoding: the base states carry positions, the mask gives the order.
+- residual decoding heads (eq. 4): ``p_k = softmax(MLP_k [h_LLM_n ; h_full_{n+1+k}])``; ``residual=False`` gives
+  the heads ``h_full`` only (Fig. 8's ablation). MLP_k: Linear(2d -> d) (initialised to pass ``h_LLM_n`` through),
+  Medusa's ResBlock, and a vocabulary projection initialised from the base's LM head.
+- an LRU n-gram cache for decoding (§4.1.1): n-gram states by token ids; a hit skips the encoder.
+
+Medusa-1 (Cai et al. 2024): head k = vocabulary projection (initialised from the base's LM head) of a ResBlock
+(initialised to the identity) of ``h_LLM_n``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from lit_spec.errors import ConfigError
+from lit_spec.io import atomic_dir, write_json
+
+WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
+
+
+class ResBlock(nn.Module):
+    """Medusa's ``x + SiLU(Wx + b)``, W zero-initialised so that a new head starts as the base's LM head."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.linear = nn.Linear(size, size)
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class DecodingHead(nn.Module):
+    """Linear(in -> d) (absent when in == d; initialised to pass the first d inputs through), ResBlock, Linear(d -> V)."""
+
+    def __init__(self, in_size: int, hidden_size: int, vocab_size: int):
+        super().__init__()
+        self.proj = nn.Identity()
+        if in_size != hidden_size:
+            self.proj = nn.Linear(in_size, hidden_size, bias=False)
+            with torch.no_grad():
+                self.proj.weight.zero_()
+                self.proj.weight[:, :hidden_size].copy_(torch.eye(hidden_size))
+        self.block = ResBlock(hidden_size)
+        self.out = nn.Linear(hidden_size, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.proj(x)))
+
+
+class DraftHeads(nn.Module):
+    """What Chimera's draft and Medusa's heads share: K heads, their config, initialisation from the base."""
+
+    kind = "heads"
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int):
+        super().__init__()
+        for name, value in (("num_heads", num_heads), ("hidden_size", hidden_size), ("vocab_size", vocab_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
+        self.hidden_size, self.vocab_size, self.num_heads = hidden_size, vocab_size, num_heads
+
+    @property
+    def config(self) -> dict:
+        return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "num_heads": self.num_heads}
+
+    def init_from_base(self, base) -> "DraftHeads":
+        """Copy the base's LM head into every head's vocabulary projection (as Medusa does)."""
+        weight = base.get_output_embeddings().weight
+        if tuple(weight.shape) != (self.vocab_size, self.hidden_size):
+            raise ConfigError(f"heads for hidden size {self.hidden_size} and vocabulary {self.vocab_size} do not fit "
+                              f"a base whose LM head is {tuple(weight.shape)}")
+        with torch.no_grad():
+            for head in self.heads:
+                head.out.weight.copy_(weight)
+        return self
+
+
+class MedusaHeads(DraftHeads):
+    """Medusa-1: head k predicts token n+2+k from ``h_LLM_n`` alone."""
+
+    kind = "medusa"
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4):
+        super().__init__(hidden_size, vocab_size, num_heads)
+        self.heads = nn.ModuleList(DecodingHead(hidden_size, hidden_size, vocab_size) for _ in range(num_heads))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., d] base states -> [..., K, V] logits of tokens n+2..n+1+K."""
+        return torch.stack([head(hidden) for head in self.heads], dim=-2)
+
+    def head_inputs(self, embeds: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor):
+        """Head k's inputs at every prefix end n in [0, T-k-2) ([B, T-k-2, d]; ``heads[k]`` of them predicts token
+        n+2+k); no full-context states."""
+        t = hidden.size(1)
+        return [hidden[:, : t - k - 2] for k in range(self.num_heads)], None
+
+
+class FullContextBlock(nn.Module):
+    """One pre-norm transformer block (RMSNorm, multi-head attention, SiLU MLP) whose queries and keys come apart:
+    keys/values of every context state are computed once (``keys_values``) and queried by any subset of states."""
+
+    def __init__(self, hidden_size: int, attention_heads: int, ffn_size: int, eps: float = 1e-6):
+        super().__init__()
+        if hidden_size % attention_heads:
+            raise ConfigError(f"attention_heads={attention_heads} must divide the hidden size {hidden_size}")
+        self.heads = attention_heads
+        self.norm_in, self.norm_mid = nn.RMSNorm(hidden_size, eps=eps), nn.RMSNorm(hidden_size, eps=eps)
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden_size, hidden_size, bias=False) for _ in range(4))
+        self.mlp = nn.Sequential(nn.Linear(hidden_size, ffn_size), nn.SiLU(), nn.Linear(ffn_size, hidden_size))
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:        # [B, L, d] -> [B, heads, L, d / heads]
+        return x.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def keys_values(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.norm_in(states)
+        return self._split(self.k(x)), self._split(self.v(x))
+
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """``queries`` [B, Q, d] attend to ``keys``/``values`` [B, heads, L, dh] where ``allowed`` [B, Q, L]
+        (None: everywhere)."""
+        q = self._split(self.q(self.norm_in(queries)))
+        mask = None if allowed is None else allowed[:, None]
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        h = queries + self.o(attended.transpose(1, 2).flatten(-2))
+        return h + self.mlp(self.norm_mid(h))
+
+
+def full_context_mask(valid: torch.Tensor, offset: int) -> torch.Tensor:
+    """Training mask of the full-context encoder for head ``offset`` (k) over keys ``[H_LLM ; H_tri]`` ([B, T]
+    each, ``valid`` marks real tokens): row n is the query of token n+1+k's n-gram, which sees the base's states
+    of tokens <= n and the n-grams of tokens <= n+1+k (an n-gram with a token after that is masked: Fig. 3).
+    Returns [B, T-k-2, 2T] booleans (True = may attend), one row per prefix end n whose label n+2+k exists."""
+    t = valid.size(1)
+    n = torch.arange(max(t - offset - 2, 0), device=valid.device)[:, None]
+    i = torch.arange(t, device=valid.device)[None]
+    allowed = torch.cat([i <= n, i <= n + 1 + offset], dim=-1)
+    return allowed[None] & valid.repeat(1, 2)[:, None, :]
+
+
+def ngram_inputs(embeds: torch.Tensor, ngram: int) -> torch.Tensor:
+    """[B, T, d] embeddings -> [B, T, g*d]: position i holds [x_{i-g+1}; ...; x_i], zeros before the first token."""
+    shifted = [F.pad(embeds, (0, 0, s, 0))[:, : embeds.size(1)] for s in range(ngram - 1, -1, -1)]
+    return torch.cat(shifted, dim=-1)
+
+
+class ChimeraDraft(DraftHeads):
+    """Chimera's lightweight draft model (module docstring): n-gram encoder, full-context block, residual heads."""
+
+    kind = "chimera"
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, ngram: int = 3, residual: bool = True,
+                 attention_heads: int = 4, ffn_size: int | None = None, eps: float = 1e-6):
+        super().__init__(hidden_size, vocab_size, num_heads)
+        if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 1:
+            raise ConfigError(f"ngram={ngram!r}: must be an integer >= 1 (3: the trigram encoder)")
+        self.ngram, self.residual, self.attention_heads = ngram, bool(residual), attention_heads
+        self.ffn_size, self.eps = ffn_size or 4 * hidden_size, eps
+        d = hidden_size
+        self.ngram_encoder = nn.Sequential(nn.Linear(ngram * d, d), nn.SiLU(), nn.Linear(d, d))   # eq. 2
+        self.block = FullContextBlock(d, attention_heads, self.ffn_size, eps)                     # eq. 3
+        self.heads = nn.ModuleList(DecodingHead(2 * d if self.residual else d, d, vocab_size)     # eq. 4
+                                   for _ in range(num_heads))
+
+    @property
+    def config(self) -> dict:
+        return super().config | {"ngram": self.ngram, "residual": self.residual,
+                                 "attention_heads": self.attention_heads, "ffn_size": self.ffn_size, "eps": self.eps}
+
+    def head_input(self, llm_state: torch.Tensor, full_state: torch.Tensor) -> torch.Tensor:
+        """Eq. 4's input: ``[h_LLM_n ; h_full_{n+1+k}]`` (``h_full`` alone without ``residual``)."""
+        return torch.cat([llm_state, full_state], dim=-1) if self.residual else full_state
+
+    def head_inputs(self, embeds: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor):
+        """Teacher-forced over whole sequences: per head k, its inputs [B, T-k-2, in] at every prefix end n
+        (``heads[k]`` of them predicts token n+2+k) and the full-context states ``h_full_{n+1+k}`` [B, T-k-2, d]
+        (distilled towards ``h_LLM_{n+1+k}``, eq. 6)."""
+        tri = self.ngram_encoder(ngram_inputs(embeds, self.ngram))
+        keys, values = (torch.cat(kv, dim=2) for kv in zip(self.block.keys_values(hidden),
+                                                             self.block.keys_values(tri)))
+        inputs, full = [], []
+        for k in range(self.num_heads):
+            m = max(hidden.size(1) - k - 2, 0)
+            state = self.block(tri[:, k + 1: k + 1 + m], keys, values, full_context_mask(valid, k))
+            inputs.append(self.head_input(hidden[:, :m], state))
+            full.append(state)
+        return inputs, full
+
+
+class NGramCache:
+    """Fixed-size LRU cache of n-gram encoder outputs by token ids (Chimera §4.1.1); ``size=0`` disables it."""
+
+    def __init__(self, size: int):
+        self.size, self.entries = size, OrderedDict()
+        self.hits = self.misses = 0
+
+    def states(self, draft: ChimeraDraft, embed: nn.Module, ngrams: list[tuple[int, ...]]) -> torch.Tensor:
+        """[len(ngrams), d] encoder outputs of ``ngrams`` (token ids; -1 = before the first token)."""
+        missing = list(ngrams) if not self.size else [g for g in dict.fromkeys(ngrams) if g not in self.entries]
+        self.misses += len(missing)
+        computed = torch.empty(0)
+        if missing:
+            ids = torch.tensor(missing, device=embed.weight.device)
+            x = embed(ids.clamp(min=0)) * (ids >= 0)[..., None]           # [m, g, d], zeros before the start
+            computed = draft.ngram_encoder(x.flatten(-2))
+        if not self.size:
+            return computed
+        self.hits += len(ngrams) - len(missing)
+        self.entries.update(zip(missing, computed))
+        rows = []
+        for g in ngrams:
+            self.entries.move_to_end(g)
+            rows.append(self.entries[g])
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return torch.stack(rows)
+
+
+HEADS = {cls.kind: cls for cls in (ChimeraDraft, MedusaHeads)}
+
+
+def save_heads(heads: DraftHeads, directory: str | Path, base_model: dict) -> Path:
+    """Write the heads' parameters (safetensors) and ``heads.json`` (kind, config, the base model's spec) into
+    ``directory``, atomically."""
+    directory = Path(directory)
+    with atomic_dir(directory) as tmp:
+        state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS))
+        write_json(tmp / CONFIG, {"kind": heads.kind, "config": heads.config, "base_model": base_model})
+    return directory
+
+
+def load_heads(directory: str | Path) -> tuple[DraftHeads, dict]:
+    """(heads, base model spec dict) from ``save_heads``' directory; put the heads on the base's device."""
+    directory = Path(directory)
+    if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
+        raise ConfigError(f"{directory}: no draft heads there (expected {CONFIG} and {WEIGHTS}, written by a "
+                          "method=chimera or method=medusa run's export_dir)")
+    meta = json.loads((directory / CONFIG).read_text())
+    if meta.get("kind") not in HEADS:
+        raise ConfigError(f"{directory / CONFIG}: unknown heads kind {meta.get('kind')!r} (have {sorted(HEADS)})")
+    heads = HEADS[meta["kind"]](**meta["config"])
+    heads.load_state_dict(load_file(str(directory / WEIGHTS)))
+    return heads.eval(), meta["base_model"]

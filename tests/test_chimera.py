@@ -1,0 +1,261 @@
+"""Chimera's draft and Medusa's heads (lit_spec.models.heads, decoding.heads, methods.heads): the full-context mask of
+Fig. 3, no look at the future in training, training and decoding read the same states, lossless tree decoding on
+three architectures, save -> load -> same decoder, the n-gram cache changes nothing, frozen base, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from random_models import ARCHS, greedy_with_mid_output_eos, random_model, random_prompts, reference_greedy
+
+from lit_spec.decoding import generate
+from lit_spec.decoding.heads import ChimeraCandidates, ChimeraDecoder
+from lit_spec.decoding.state import DecodeState
+from lit_spec.errors import ConfigError
+from lit_spec.models.heads import (ChimeraDraft, MedusaHeads, NGramCache, full_context_mask, load_heads, ngram_inputs,
+                                   save_heads)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def chimera(model, seed: int = 0, **kwargs) -> ChimeraDraft:
+    """A draft with random (not identity-initialised) weights, so every part of it matters."""
+    c = model.config
+    torch.manual_seed(seed)
+    draft = ChimeraDraft(c.hidden_size, c.vocab_size, attention_heads=4, **kwargs).init_from_base(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return draft.eval()
+
+
+def medusa(model, seed: int = 0) -> MedusaHeads:
+    c = model.config
+    torch.manual_seed(seed)
+    heads = MedusaHeads(c.hidden_size, c.vocab_size).init_from_base(model)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return heads.eval()
+
+
+def test_full_context_mask_is_fig3():
+    """Query row n (the n-gram of token n+1+k) sees base states 0..n and n-grams 0..n+1+k: an n-gram that holds a
+    later token is masked; padding is never seen."""
+    valid = torch.tensor([[True] * 5])
+    o, x = True, False
+    head0 = torch.tensor([[o, x, x, x, x, o, o, x, x, x],     # n=0: h_LLM_0 | tri_0, tri_1
+                          [o, o, x, x, x, o, o, o, x, x],
+                          [o, o, o, x, x, o, o, o, o, x]])
+    head1 = torch.tensor([[o, x, x, x, x, o, o, o, x, x],     # n=0: h_LLM_0 | tri_0..tri_2 (token 2 drafted)
+                          [o, o, x, x, x, o, o, o, o, x]])
+    assert torch.equal(full_context_mask(valid, 0)[0], head0)
+    assert torch.equal(full_context_mask(valid, 1)[0], head1)
+    padded = full_context_mask(torch.tensor([[True, True, True, True, False]]), 0)[0]
+    assert not padded[:, 4].any() and not padded[:, 9].any() and torch.equal(padded[:, :4], head0[:, :4])
+
+
+def test_ngram_inputs_pad_the_start_with_zeros():
+    embeds = torch.arange(1, 5, dtype=torch.float)[None, :, None]      # x_i = i + 1, d = 1
+    assert ngram_inputs(embeds, 3)[0].tolist() == [[0, 0, 1], [0, 1, 2], [1, 2, 3], [2, 3, 4]]
+    assert ngram_inputs(embeds, 1)[0].tolist() == [[1], [2], [3], [4]]
+
+
+def _training_logits(draft, model, ids: torch.Tensor):
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        embeds = model.get_input_embeddings()(ids)
+        inputs, full = draft.head_inputs(embeds, out.hidden_states[-1], torch.ones_like(ids, dtype=torch.bool))
+        return [head(x) for head, x in zip(draft.heads, inputs)], full
+
+
+def test_training_heads_never_see_what_decoding_cannot():
+    """Head k at prefix end n may depend on tokens <= n+1+k only (the base's next token and the previous heads'
+    guesses), and on base states <= n: changing any later token leaves its logits unchanged."""
+    model = random_model("llama")
+    draft = chimera(model)
+    ids, _ = random_prompts(1, [12], seed=4)
+    logits, _ = _training_logits(draft, model, ids)
+    for k in range(draft.num_heads):
+        n = 4
+        changed = ids.clone()
+        changed[0, n + 2 + k:] = (changed[0, n + 2 + k:] + 7) % 90 + 3          # everything after token n+1+k
+        after, _ = _training_logits(draft, model, changed)
+        torch.testing.assert_close(after[k][0, : n + 1], logits[k][0, : n + 1])
+        changed = ids.clone()
+        changed[0, n + 1 + k] = (changed[0, n + 1 + k] + 7) % 90 + 3             # token n+1+k itself matters
+        after, _ = _training_logits(draft, model, changed)
+        assert not torch.allclose(after[k][0, n], logits[k][0, n])
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_decoding_drafts_what_training_predicts(residual):
+    """The decoder's candidates at every depth are the training-time head logits' top-k on the sequence prompt +
+    the base's next token + the draft's own top-1 guesses (same states, same masks)."""
+    model = random_model("qwen2")
+    draft = chimera(model, residual=residual)
+    ids, mask = random_prompts(1, [9], seed=6)
+    state = DecodeState(model, ids, mask, 10, None, record_hidden=True)
+    first = int(state.prefill()[0].argmax())
+    state.commit([[first]], advance=[0])
+    candidates = ChimeraCandidates(draft, model.get_input_embeddings(), NGramCache(0), ids[0].tolist())
+    top = candidates(state, draft.num_heads, 5)
+    # + the last depth's top-1 as well: training computes a head's logits where its label token exists
+    sequence = torch.tensor([ids[0].tolist() + [first] + top[:, 0].tolist()])
+    logits, _ = _training_logits(draft, model, sequence)
+    n = ids.size(1) - 1
+    for k in range(draft.num_heads):
+        assert logits[k][0, n].topk(5).indices.tolist() == top[k].tolist(), k
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_identical_to_generate(models, arch):
+    model = models[arch]
+    heads = {"chimera": chimera(model), "medusa": medusa(model)}
+    for p, (length, new, tree) in enumerate([(3, 30, [3, 2, 1, 1]), (10, 24, [2, 2]), (6, 17, [[0], [1], [0, 0]])]):
+        ids, mask = random_prompts(1, [length], seed=20 + p)
+        ref = reference_greedy(model, ids, mask, new)
+        for method in ("chimera", "medusa"):
+            out = generate(model, ids, method, max_new_tokens=new, heads=heads[method], tree=tree)
+            assert torch.equal(out.sequences, ref), (method, p)
+            assert out.stats.new_tokens == new and out.stats.draft_forwards > 0
+    # EOS inside an accepted path
+    ids, mask = random_prompts(1, [5], seed=9)
+    _, eos, ref = greedy_with_mid_output_eos(model, ids, mask, 30, not_before=3)
+    for method in ("chimera", "medusa"):
+        out = generate(model, ids, method, max_new_tokens=30, eos_token_id=eos, heads=heads[method])
+        assert out.sequences[0, ids.size(1):].tolist()[: len(ref)] == ref
+
+
+def test_save_load_gives_the_same_decoder(models, tmp_path):
+    model = models["mistral"]
+    ids, _ = random_prompts(1, [7], seed=3)
+    for heads in (chimera(model, ngram=2, num_heads=3), medusa(model)):
+        before = generate(model, ids, heads.kind, max_new_tokens=25, heads=heads, tree=[2, 2, 1])
+        save_heads(heads, tmp_path / heads.kind, base_model={"name_or_path": "random"})
+        loaded, base = load_heads(tmp_path / heads.kind)
+        assert type(loaded) is type(heads) and base == {"name_or_path": "random"}
+        for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
+            assert torch.equal(a, b), name
+        after = generate(model, ids, heads.kind, max_new_tokens=25, heads=str(tmp_path / heads.kind), tree=[2, 2, 1])
+        assert torch.equal(after.sequences, before.sequences)
+        assert after.stats.target_forwards == before.stats.target_forwards
+        assert sorted(p.name for p in (tmp_path / heads.kind).iterdir()) == ["heads.json", "heads.safetensors"]
+
+
+def test_ngram_cache_changes_nothing_but_the_work(models):
+    model = models["llama"]
+    draft = chimera(model)
+    runs = {}
+    for size in (0, 64):
+        decoder = ChimeraDecoder(model, draft, ngram_cache=size)
+        runs[size] = [decoder.generate(random_prompts(1, [n], seed=n)[0], 30) for n in (4, 8, 4)]
+        runs[size].append(decoder.cache)
+    for a, b in zip(runs[0][:3], runs[64][:3]):
+        assert torch.equal(a.sequences, b.sequences)
+        assert a.stats.target_forwards == b.stats.target_forwards
+    cache = runs[64][3]
+    assert cache.hits > 0 and len(cache.entries) <= 64      # the repeated prompt hits, the LRU stays bounded
+    assert runs[0][3].hits == 0
+
+
+def test_bad_input_is_a_config_error(models, tmp_path):
+    model = models["llama"]
+    ids, _ = random_prompts(1, [4])
+    with pytest.raises(ConfigError, match="depth"):
+        generate(model, ids, "chimera", heads=chimera(model, num_heads=2), tree=[2, 2, 2])
+    with pytest.raises(ConfigError, match="no draft heads"):
+        generate(model, ids, "medusa", heads=str(tmp_path))
+    with pytest.raises(ConfigError, match="expected medusa"):
+        generate(model, ids, "medusa", heads=chimera(model))
+    with pytest.raises(ConfigError, match="ngram_cache"):
+        generate(model, ids, "chimera", heads=chimera(model), ngram_cache=-1)
+    with pytest.raises(ConfigError, match="ngram"):
+        ChimeraDraft(64, 96, ngram=0)
+    with pytest.raises(ConfigError, match="LM head"):
+        MedusaHeads(32, 96).init_from_base(model)
+
+
+# ---- training ---------------------------------------------------------------------------------------------------
+def test_a_training_step_changes_the_heads_only(micro_config):
+    from lit_spec.config import build
+
+    cfg = micro_config("method=chimera")
+    spec = build(cfg.model)
+    spec.prepare()
+    datamodule = build(cfg.data, tokenizer=spec.load_tokenizer())
+    datamodule.setup("fit")
+    module = build(cfg.method, model_spec=spec)
+    module.configure_model()
+    module.train()
+    base = {k: v.clone() for k, v in module.model.state_dict().items()}
+    heads = {k: v.clone() for k, v in module.heads.state_dict().items()}
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    assert trainable and all(any(p is q for q in module.heads.parameters()) for p in trainable)
+    assert not module.model.training                      # the frozen base runs without dropout
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    loss = module.training_step(next(iter(datamodule.train_dataloader())), 0)
+    loss.backward()
+    optimizer.step()
+    assert all(p.grad is None for p in module.model.parameters())
+    assert all(torch.equal(v, base[k]) for k, v in module.model.state_dict().items())
+    assert any(not torch.equal(v, heads[k]) for k, v in module.heads.state_dict().items())
+
+
+@pytest.mark.parametrize("method", ["chimera", "medusa"])
+def test_train_logs_head_accuracy_exports_the_heads_and_resumes(micro_config, tmp_path, method):
+    """A micro run: per-head top-k accuracy and the speedup callback's numbers are logged; the export holds only the
+    heads, which decode exactly like the trained module; the heads-only checkpoint resumes."""
+    import csv
+    from pathlib import Path
+
+    from lit_spec.config import build
+    from lit_spec.training import run_training
+
+    common = [f"method={method}", "callbacks=speedup", "callbacks.speedup.num_prompts=2",
+              "callbacks.speedup.max_new_tokens=16", "method.lr=3e-3", "trainer.log_every_n_steps=1",
+              "callbacks.model_checkpoint.every_n_train_steps=4"]
+    cfg = micro_config(*common, output_dir=tmp_path / "a")
+    metrics = run_training(cfg)
+    for k in range(4):
+        assert 0 <= metrics[f"val/head{k}/top1"] <= metrics[f"val/head{k}/top5"] <= 1
+    assert metrics[f"exact_match/{method}"] == 1.0 and metrics[f"mean_accepted/{method}"] >= 1.0
+    assert ("val/distill" in metrics) == (method == "chimera")
+    export = Path(cfg.export_dir)
+    assert sorted(p.name for p in export.iterdir()) == ["heads.json", "heads.safetensors"]
+
+    last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+    state = torch.load(last, weights_only=True, map_location="cpu")["state_dict"]
+    assert state and all(k.startswith("heads.") for k in state)          # the frozen base is not checkpointed
+    spec = build(cfg.model)
+    module = build(cfg.method, model_spec=spec)
+    module.configure_model()
+    module.load_state_dict(state, strict=False)
+    model = module.model
+    ids = torch.tensor([datamodule_prompt(cfg, spec)])
+    trained = module.decoders()[method].generate(ids, 20)
+    loaded = generate(model, ids, method, max_new_tokens=20, heads=str(export), tree=list(cfg.method.tree))
+    assert torch.equal(trained.sequences, loaded.sequences)
+    assert trained.stats.target_forwards == loaded.stats.target_forwards
+
+    resumed = micro_config(*common, "trainer.max_steps=10", f"ckpt_path={last}", output_dir=tmp_path / "b")
+    assert run_training(resumed)["global_step"] == 10
+    with open(Path(resumed.paths.output_dir) / "csv" / "metrics.csv") as f:
+        assert len([r for r in csv.DictReader(f) if r.get("train/loss")]) == 2
+
+
+def datamodule_prompt(cfg, spec) -> list[int]:
+    from lit_spec.config import build
+
+    datamodule = build(cfg.data, tokenizer=spec.load_tokenizer())
+    return datamodule.eval_records("validation", 1)[0]["prompt_ids"]
+
+
+def test_method_settings_are_checked(micro_config):
+    from lit_spec.config import build
+
+    for override, name in [("method.labels=gold", "labels"), ("method.tree=[2,2,2,2,2]", "tree"),
+                           ("method.num_heads=0", "num_heads")]:
+        cfg = micro_config("method=chimera", override)
+        with pytest.raises(ConfigError, match=name):
+            build(cfg.method, model_spec=build(cfg.model))
