@@ -38,9 +38,9 @@ from transformers import AutoConfig
 from lit_spec.config import build, compose_config, config_hash
 from lit_spec.data.trajectories import (META, augment_states, done_batches, read_meta, read_records, write_meta,
                                         write_part)
-from lit_spec.decoding.jacobi import INITS, JacobiDecoder, check_count
+from lit_spec.decoding.jacobi import INITS, JacobiDecoder
 from lit_spec.decoding.state import eos_ids
-from lit_spec.errors import ConfigError, DataError
+from lit_spec.errors import ConfigError, DataError, check_count
 
 log = logging.getLogger(__name__)
 

@@ -23,20 +23,18 @@ from lit_spec.decoding.base import register
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.stats import sync_device
 from lit_spec.decoding.tree import TreeDecoder
-from lit_spec.errors import ConfigError
+from lit_spec.errors import ConfigError, check_count
 from lit_spec.models.heads import ChimeraDraft, DraftHeads, MedusaHeads, NGramCache, load_heads
 
 
-class _Timed:
-    """Adds a candidate source's time and module calls to the decode's draft counters."""
-
-    def _count(self, state: DecodeState, start: float, calls: int) -> None:
-        sync_device(state.pending.device)
-        state.stats.draft_time += time.perf_counter() - start
-        state.stats.draft_forwards += calls
+def _count_draft(state: DecodeState, start: float, calls: int) -> None:
+    """Add a candidate source's time since ``start`` and its module calls to the decode's draft counters."""
+    sync_device(state.pending.device)
+    state.stats.draft_time += time.perf_counter() - start
+    state.stats.draft_forwards += calls
 
 
-class MedusaCandidates(_Timed):
+class MedusaCandidates:
     def __init__(self, heads: MedusaHeads):
         self.heads = heads
 
@@ -44,11 +42,11 @@ class MedusaCandidates(_Timed):
     def __call__(self, state: DecodeState, depth: int, k: int) -> torch.Tensor:
         start = time.perf_counter()
         logits = self.heads(state.hidden[0, -1])[:depth]            # h_LLM_n: the last position cached
-        self._count(state, start, 1)
+        _count_draft(state, start, 1)
         return logits.topk(k, dim=-1).indices
 
 
-class ChimeraCandidates(_Timed):
+class ChimeraCandidates:
     """One decode's drafting state: the full-context block's keys/values of the base states (every token but the
     pending one) and of the n-gram states (every token), each computed once."""
 
@@ -87,7 +85,7 @@ class ChimeraCandidates(_Timed):
                 query = self._ngram_states(tokens, range(len(tokens) - 1, len(tokens)))[0]
                 new_k, new_v = block.keys_values(query[None, None])
                 keys, values = torch.cat([keys, new_k], dim=2), torch.cat([values, new_v], dim=2)
-        self._count(state, start, depth)
+        _count_draft(state, start, depth)
         return torch.stack(top)
 
 
@@ -131,8 +129,7 @@ class ChimeraDecoder(TreeDecoder):
 
     def __init__(self, model, heads, tree=(3, 2, 1, 1), ngram_cache: int = 4096, **kwargs):
         self.heads = _heads(heads, ChimeraDraft, model)
-        if isinstance(ngram_cache, bool) or not isinstance(ngram_cache, int) or ngram_cache < 0:
-            raise ConfigError(f"ngram_cache={ngram_cache!r}: must be an integer >= 0 (0 disables the cache)")
+        ngram_cache = check_count("ngram_cache", ngram_cache, minimum=0)   # 0 disables the cache
         super().__init__(model, tree=tree, **kwargs)
         _check_depth(self.heads, self)
         self.cache = NGramCache(ngram_cache)      # kept across decodes: n-gram states do not depend on context

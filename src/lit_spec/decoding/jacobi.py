@@ -49,16 +49,9 @@ from lit_spec.decoding.base import Decoder, register
 from lit_spec.decoding.masks import causal
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.verify import greedy_accept_length
-from lit_spec.errors import ConfigError
+from lit_spec.errors import ConfigError, check_count
 
 INITS = ("prefix", "random", "pad", "repeat_last")
-
-
-def check_count(name: str, value, minimum: int = 1) -> int:
-    """An integer hyperparameter >= ``minimum`` (bools and non-integral floats refused), or a ConfigError naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < minimum:
-        raise ConfigError(f"{name}={value!r}: must be an integer >= {minimum}")
-    return int(value)
 
 
 def vocab_size(model) -> int:

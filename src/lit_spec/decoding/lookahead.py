@@ -26,11 +26,11 @@ from collections import OrderedDict
 import torch
 
 from lit_spec.decoding.base import Decoder, register
-from lit_spec.decoding.jacobi import GuessMaker, check_count
+from lit_spec.decoding.jacobi import GuessMaker
 from lit_spec.decoding.masks import depths, from_parents
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.verify import greedy_accept_length
-from lit_spec.errors import ConfigError
+from lit_spec.errors import ConfigError, check_count
 
 
 class NGramPool:

@@ -20,9 +20,8 @@ import torch.nn.functional as F
 
 from lit_spec.data import IGNORE_INDEX
 from lit_spec.decoding.heads import ChimeraDecoder, MedusaDecoder
-from lit_spec.decoding.jacobi import check_count
 from lit_spec.decoding.tree import TreeSpec
-from lit_spec.errors import ConfigError
+from lit_spec.errors import ConfigError, check_count
 from lit_spec.methods.base import MethodModule
 from lit_spec.models.heads import ChimeraDraft, DraftHeads, MedusaHeads, save_heads
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lit_spec.errors import ConfigError
+from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import atomic_dir, write_json
 
 WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
@@ -55,7 +55,8 @@ class ResBlock(nn.Module):
 
 
 class DecodingHead(nn.Module):
-    """Linear(in -> d) (absent when in == d; initialised to pass the first d inputs through), ResBlock, Linear(d -> V)."""
+    """Linear(in -> d) (absent when in == d; initialised to pass the first d inputs through), ResBlock,
+    Linear(d -> V)."""
 
     def __init__(self, in_size: int, hidden_size: int, vocab_size: int):
         super().__init__()
@@ -79,10 +80,9 @@ class DraftHeads(nn.Module):
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int):
         super().__init__()
-        for name, value in (("num_heads", num_heads), ("hidden_size", hidden_size), ("vocab_size", vocab_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
-        self.hidden_size, self.vocab_size, self.num_heads = hidden_size, vocab_size, num_heads
+        self.hidden_size = check_count("hidden_size", hidden_size)
+        self.vocab_size = check_count("vocab_size", vocab_size)
+        self.num_heads = check_count("num_heads", num_heads)
 
     @property
     def config(self) -> dict:
@@ -177,12 +177,10 @@ class ChimeraDraft(DraftHeads):
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, ngram: int = 3, residual: bool = True,
                  attention_heads: int = 4, ffn_size: int | None = None, eps: float = 1e-6):
         super().__init__(hidden_size, vocab_size, num_heads)
-        if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 1:
-            raise ConfigError(f"ngram={ngram!r}: must be an integer >= 1 (3: the trigram encoder)")
-        self.ngram, self.residual, self.attention_heads = ngram, bool(residual), attention_heads
+        self.ngram, self.residual, self.attention_heads = check_count("ngram", ngram), bool(residual), attention_heads
         self.ffn_size, self.eps = ffn_size or 4 * hidden_size, eps
         d = hidden_size
-        self.ngram_encoder = nn.Sequential(nn.Linear(ngram * d, d), nn.SiLU(), nn.Linear(d, d))   # eq. 2
+        self.ngram_encoder = nn.Sequential(nn.Linear(self.ngram * d, d), nn.SiLU(), nn.Linear(d, d))   # eq. 2
         self.block = FullContextBlock(d, attention_heads, self.ffn_size, eps)                     # eq. 3
         self.heads = nn.ModuleList(DecodingHead(2 * d if self.residual else d, d, vocab_size)     # eq. 4
                                    for _ in range(num_heads))
