@@ -159,6 +159,28 @@ def test_ngram_cache_changes_nothing_but_the_work(models):
     assert runs[0][3].hits == 0
 
 
+def test_ngram_cache_follows_weight_changes(models):
+    """A decoder kept while the draft trains (the speedup callback's) must not draft from states computed with older
+    weights: an optimizer step or ``load_state_dict`` empties the cache, and it serves the new weights' states."""
+    model = models["llama"]
+    draft, embed = chimera(model), model.get_input_embeddings()
+    grams = [(-1, 3, 5), (3, 5, 7), (5, 7, 9)]
+    cache = NGramCache(64)
+    before = cache.states(draft, embed, grams)
+    assert torch.equal(cache.states(draft, embed, grams), before) and cache.hits == 3
+    saved = {k: v.clone() for k, v in draft.state_dict().items()}
+
+    optimizer = torch.optim.AdamW(draft.ngram_encoder.parameters(), lr=1e-2)
+    draft.ngram_encoder(torch.randn(4, 3 * model.config.hidden_size)).square().sum().backward()
+    optimizer.step()
+    after = cache.states(draft, embed, grams)
+    assert not torch.allclose(after, before)
+    assert torch.equal(after, NGramCache(0).states(draft, embed, grams))
+
+    draft.load_state_dict(saved)
+    assert torch.equal(cache.states(draft, embed, grams), before)
+
+
 def test_bad_input_is_a_config_error(models, tmp_path):
     model = models["llama"]
     ids, _ = random_prompts(1, [4])

@@ -1,5 +1,6 @@
 """Tree verification: ``TreeSpec`` structure, greedy acceptance, token identity with ``model.generate`` on three
-architectures for several tree shapes, accepted-path KV kept, more than one token per forward with a perfect draft."""
+architectures for several tree shapes, accepted-path KV kept, more than one token per forward with a perfect draft;
+typical acceptance at temperature > 0."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from random_models import (ARCHS, check_cache_after_each_commit, greedy_with_mid
 
 from lit_spec.decoding import generate
 from lit_spec.decoding.tree import TreeSpec
-from lit_spec.decoding.verify import tree_accept_path
+from lit_spec.decoding.verify import TypicalAcceptance, greedy_tree_accepts, tree_accept_path
 from lit_spec.errors import ConfigError
 
 MEDUSA_LIKE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
@@ -56,11 +57,34 @@ def test_tree_accept_path():
     # block: root(pending) 0, depth-1 nodes 1,2; node 3 under 1, node 4 under 2, node 5 under 4
     parents = [-1, 0, 0, 1, 2, 4]
     tokens = [9, 5, 6, 7, 8, 4]
+
+    def greedy(target):
+        return tree_accept_path(parents, greedy_tree_accepts(parents, tokens, target))
+
     # target argmax at each position: after root 6 (node 2 ok), after node 2 -> 8 (node 4 ok), after node 4 -> 4
-    assert tree_accept_path(parents, tokens, [6, 0, 8, 0, 4, 3]) == [2, 4, 5]
-    assert tree_accept_path(parents, tokens, [5, 7, 0, 1, 0, 0]) == [1, 3]       # the other branch
-    assert tree_accept_path(parents, tokens, [1, 1, 1, 1, 1, 1]) == []           # nothing matches
-    assert tree_accept_path([-1, 0, 0], [3, 4, 4], [4, 0, 0]) == [1]            # tie: first in block order
+    assert greedy([6, 0, 8, 0, 4, 3]) == [2, 4, 5]
+    assert greedy([5, 7, 0, 1, 0, 0]) == [1, 3]                                   # the other branch
+    assert greedy([1, 1, 1, 1, 1, 1]) == []                                       # nothing matches
+    assert tree_accept_path([-1, 0, 0], [False, True, True]) == [1]              # tie: first in block order
+    assert tree_accept_path(parents, [False, False, True, True, False, True]) == [2]   # node 3's parent failed
+
+
+def test_typical_acceptance_threshold():
+    """p(x) > min(epsilon, delta * exp(-H)): a confident parent (low entropy) accepts only its likely tokens, a
+    flat one (high entropy, lower threshold) accepts a token that a confident one would reject."""
+    typical = TypicalAcceptance(temperature=1.0, epsilon=0.09, delta=0.3)
+    probs = torch.tensor([[0.90, 0.05, 0.05, 0.00],     # root: H = 0.39, threshold min(0.09, 0.20) = 0.09
+                          [0.25, 0.25, 0.25, 0.25],     # node 1: H = ln 4, threshold min(0.09, 0.075) = 0.075
+                          [0.00, 0.00, 0.00, 1.00],
+                          [0.00, 0.00, 0.00, 1.00]])
+    parents, tokens = [-1, 0, 0, 1], [2, 0, 1, 3]
+    accepted = typical.accepts(probs, parents, tokens)
+    assert accepted == [False, True, False, True]
+    assert tree_accept_path(parents, accepted) == [1, 3]
+    assert typical.accepts(probs, [-1, 0], [0, 3]) == [False, False]               # p = 0 never passes
+    for bad in ({"temperature": 0.0}, {"temperature": 1.0, "epsilon": 0.0}, {"temperature": 1.0, "delta": -1.0}):
+        with pytest.raises(ConfigError):
+            TypicalAcceptance(**bad)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -147,10 +171,34 @@ def test_errors(models):
         generate(target, ids, "tree")
     with pytest.raises(ConfigError, match="vocabulary"):
         generate(target, ids, "tree", draft_model=random_model("llama", vocab=64))
-    with pytest.raises(ConfigError, match="greedy only"):
-        generate(target, ids, "tree", draft_model=target, temperature=0.7)
+    with pytest.raises(ConfigError, match="temperature"):
+        generate(target, ids, "tree", draft_model=target, temperature=-0.7)
+    with pytest.raises(ConfigError, match="posterior_threshold"):
+        generate(target, ids, "tree", draft_model=target, temperature=0.7, posterior_threshold=0)
     with pytest.raises(ConfigError, match="lacks its parent"):
         generate(target, ids, "tree", draft_model=target, tree=[[0], [1, 0]])
     batch, mask = random_prompts(2, [4, 6])
     with pytest.raises(ConfigError, match="batch size 1"):
         generate(target, batch, "tree", attention_mask=mask, draft_model=target)
+
+
+def test_typical_acceptance_decoding(models):
+    """Temperature > 0: reproducible with a seed and accepting drafts; with a threshold no token can pass (epsilon 1)
+    every step commits one token sampled from the target, i.e. AR sampling with the same seed; near temperature 0
+    the target's distributions are one-hot and the output is the greedy one."""
+    target = models["llama"]
+    draft = noisy_copy(target, 0.01)
+    ids, mask = random_prompts(1, [7], seed=21)
+
+    def tree(**kw):
+        return generate(target, ids, "tree", max_new_tokens=24, draft_model=draft, tree=MEDUSA_LIKE, **kw)
+
+    sampled = tree(temperature=1.0, seed=3)
+    assert torch.equal(sampled.sequences, tree(temperature=1.0, seed=3).sequences)
+    assert sampled.stats.new_tokens == 24 and sampled.stats.mean_accepted > 1
+    assert not torch.equal(sampled.sequences, reference_greedy(target, ids, mask, 24))
+    nothing_passes = tree(temperature=1.0, seed=3, posterior_threshold=1.0, posterior_alpha=1e9)
+    assert nothing_passes.stats.accepted_tokens == 0
+    ar = generate(target, ids, "ar", max_new_tokens=24, temperature=1.0, seed=3)
+    assert torch.equal(nothing_passes.sequences, ar.sequences)
+    assert torch.equal(tree(temperature=1e-4, seed=3).sequences, reference_greedy(target, ids, mask, 24))

@@ -8,11 +8,12 @@ positions after the pending token, their top-k candidate tokens; ``TreeSpec`` sa
   ``TreeSpec.parse(x)`` for either form; it yields ``parents`` / ``depths`` / ``ranks`` of its nodes.
 - ``spec.build_candidates(top_k_tokens)``: [depth, >= spec.top_k] candidate tokens per position -> [nodes] tokens.
 - ``verify_tree(state, spec, tokens)``: one forward of [pending token + nodes] (``masks.from_parents``, positions
-  by depth), greedy acceptance of the longest root-to-node path matching the target's argmax plus the target's next
-  token; the accepted path's KV entries are kept (``DecodeState.keep_path``), the rest dropped; commits.
+  by depth), acceptance of the longest root-to-node path plus the target's next token; the accepted path's KV
+  entries are kept (``DecodeState.keep_path``), the rest dropped; commits. Greedy (temperature 0, lossless: every
+  node must equal the target's argmax) or typical acceptance (temperature > 0, ``verify.TypicalAcceptance``).
 
 The registered decoder takes its candidates from a ``draft_model`` (top-k at each step of the draft's greedy path:
-no training needed), or from any ``candidates(state, depth, k) -> [depth, k]`` function. Greedy, batch size 1.
+no training needed), or from any ``candidates(state, depth, k) -> [depth, k]`` function. Batch size 1.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from lit_spec.decoding.base import Decoder, register
 from lit_spec.decoding.draft import DraftRunner, check_context, check_draft
 from lit_spec.decoding.masks import from_parents
 from lit_spec.decoding.state import DecodeState
-from lit_spec.decoding.verify import tree_accept_path
+from lit_spec.decoding.verify import TypicalAcceptance, greedy_tree_accepts, tree_accept_path
 from lit_spec.errors import ConfigError
 
 Candidates = Callable[[DecodeState, int, int], torch.Tensor]
@@ -150,19 +151,27 @@ class TreeStep(NamedTuple):
 
 
 @torch.no_grad()
-def verify_tree(state: DecodeState, spec: TreeSpec, tree_tokens: torch.Tensor) -> TreeStep:
+def verify_tree(state: DecodeState, spec: TreeSpec, tree_tokens: torch.Tensor,
+                typical: TypicalAcceptance | None = None) -> TreeStep:
     """One target forward of [pending token + ``tree_tokens``] (batch size 1); keeps the accepted path's KV, commits
-    its tokens plus the target's next one, and counts drafted (tree depth) / accepted tokens."""
+    its tokens plus the target's next one, and counts drafted (tree depth) / accepted tokens. Greedy acceptance
+    unless ``typical`` is given."""
     device = state.pending.device
     block = torch.cat([state.pending[:1], tree_tokens.to(device)])[None]
     logits = state.forward(block, spec.block_visible.to(device), spec.block_depths.to(device))[0]
-    target = logits.argmax(-1).tolist()
-    path = tree_accept_path(spec.block_parents, block[0].tolist(), target)
-    last = path[-1] if path else 0
-    tokens = [int(block[0, i]) for i in path] + [target[last]]
+    tokens = block[0].tolist()
+    if typical is None:
+        target = logits.argmax(-1).tolist()
+        path = tree_accept_path(spec.block_parents, greedy_tree_accepts(spec.block_parents, tokens, target))
+        extra = target[path[-1] if path else 0]
+    else:
+        probs = typical.probs(logits)
+        path = tree_accept_path(spec.block_parents, typical.accepts(probs, spec.block_parents, tokens))
+        extra = typical.sample(probs[path[-1] if path else 0])
+    committed = [tokens[i] for i in path] + [extra]
     state.keep_path(block.size(1), [0] + path)
-    state.commit([tokens], advance=[len(path) + 1], drafted=[spec.depth])
-    return TreeStep(tokens, [i - 1 for i in path], logits)
+    state.commit([committed], advance=[len(path) + 1], drafted=[spec.depth])
+    return TreeStep(committed, [i - 1 for i in path], logits)
 
 
 class DraftCandidates:
@@ -187,10 +196,13 @@ class TreeDecoder(Decoder):
     needs_draft = True   # candidates from ``draft_model`` unless given; subclasses with their own source say False
 
     def __init__(self, model, tree=(3, 2, 1, 1), draft_model=None, candidates: Candidates | None = None,
-                 temperature: float = 0.0, **kwargs):
+                 temperature: float = 0.0, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
+                 seed: int | None = None, **kwargs):
         super().__init__(model, **kwargs)
-        if temperature != 0:
-            raise ConfigError(f"tree: temperature={temperature}; tree verification is greedy only (temperature 0)")
+        if temperature < 0:
+            raise ConfigError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
+        self.typical = None if temperature == 0 else TypicalAcceptance(
+            temperature, posterior_threshold, posterior_alpha, seed, model.device)
         if candidates is None and self.needs_draft:
             check_draft(model, draft_model, "tree")
         self.spec = TreeSpec.parse(tree)
@@ -206,7 +218,9 @@ class TreeDecoder(Decoder):
     def _decode(self, state: DecodeState) -> None:
         state.require_single_row(self.name)
         candidates = self.new_candidates(state)
-        state.commit([[int(state.prefill()[0].argmax(-1))]], advance=[0])
+        first = state.prefill()[0]
+        first = int(first.argmax(-1)) if self.typical is None else self.typical.sample(self.typical.probs(first))
+        state.commit([[first]], advance=[0])
         specs: dict[int, TreeSpec] = {}
         while not state.finished:
             room = state.max_new_tokens - len(state.out[0]) - 1   # a path longer than this could not be committed
@@ -215,4 +229,4 @@ class TreeDecoder(Decoder):
             spec = self.spec if room >= self.spec.depth else specs[room]
             top_k = candidates(state, spec.depth, spec.top_k) if len(spec) else None
             verify_tree(state, spec, spec.build_candidates(top_k) if top_k is not None
-                        else state.pending.new_empty(0))
+                        else state.pending.new_empty(0), self.typical)

@@ -2,12 +2,14 @@
 
 Greedy (lossless): the longest prefix of the proposal that equals the target's own argmax, plus the target's next
 token. Sampling (temperature > 0): speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023), which
-leaves the target's distribution exactly unchanged.
+leaves the target's distribution exactly unchanged; over a token tree, typical acceptance (Medusa's).
 """
 
 from __future__ import annotations
 
 import torch
+
+from lit_spec.errors import ConfigError
 
 
 def greedy_accept_length(proposal: list[int], target_tokens: list[int]) -> int:
@@ -60,19 +62,19 @@ def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, ta
     return n, int(torch.multinomial(residual, 1, generator=generator))
 
 
-def tree_accept_path(parents: list[int], tokens: list[int], target_tokens: list[int]) -> list[int]:
-    """Greedy acceptance over a verified token tree (one row).
+def tree_accept_path(parents: list[int], accepted: list[bool]) -> list[int]:
+    """The longest accepted root-to-node path of a verified token tree (one row).
 
     Block position 0 is the pending token (the root, ``parents[0] == -1``); every other position's parent comes
-    before it. ``target_tokens[i]`` is the target's argmax at position i. A node is correct when its token equals
-    the target's argmax at its parent and its parent is correct; returns the block positions of the longest correct
-    root-to-node path (root excluded, first such node in block order on ties). The target's argmax at its last
-    position is the extra token committed after it.
+    before it. ``accepted[i]``: node i's token passes the test under the target's distribution at its parent (greedy:
+    it is the argmax there; typical: ``TypicalAcceptance``). A node is on an accepted path when it and all its
+    ancestors pass; returns the block positions of the longest such path (root excluded, first such node in block
+    order on ties: the higher-ranked candidates come first).
     """
     ok, depth, best = [True] + [False] * (len(parents) - 1), [0] * len(parents), 0
     for i in range(1, len(parents)):
         p = parents[i]
-        if ok[p] and tokens[i] == target_tokens[p]:
+        if ok[p] and accepted[i]:
             ok[i], depth[i] = True, depth[p] + 1
             if depth[i] > depth[best]:
                 best = i
@@ -81,3 +83,40 @@ def tree_accept_path(parents: list[int], tokens: list[int], target_tokens: list[
         path.append(best)
         best = parents[best]
     return path[::-1]
+
+
+def greedy_tree_accepts(parents: list[int], tokens: list[int], target_tokens: list[int]) -> list[bool]:
+    """Greedy test of every tree node: its token equals the target's argmax (``target_tokens``) at its parent."""
+    return [False] + [tokens[i] == target_tokens[parents[i]] for i in range(1, len(parents))]
+
+
+class TypicalAcceptance:
+    """Typical acceptance (Medusa, Cai et al. 2024, §2.3.1; Chimera §4.3 with T = 1): a candidate x is accepted
+    where the target, at ``temperature``, gives it p(x) > min(epsilon, delta · exp(-H(p))) — confident target
+    distributions (low entropy H) ask for the likely tokens, flat ones accept more. The token after the accepted path
+    is sampled from the target at ``temperature``. Unlike rejection sampling this does not keep the target's
+    distribution exactly; it trades that for longer accepted paths. Defaults are Medusa's (epsilon 0.09,
+    delta = sqrt(epsilon) = 0.3)."""
+
+    def __init__(self, temperature: float, epsilon: float = 0.09, delta: float = 0.3, seed: int | None = None,
+                 device: torch.device | str = "cpu"):
+        for name, value in (("temperature", temperature), ("posterior_threshold", epsilon),
+                            ("posterior_alpha", delta)):
+            if not value > 0:
+                raise ConfigError(f"{name}={value}: typical acceptance needs it > 0")
+        self.temperature, self.epsilon, self.delta = float(temperature), float(epsilon), float(delta)
+        self.generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits_to_probs(logits, self.temperature)
+
+    def accepts(self, probs: torch.Tensor, parents: list[int], tokens: list[int]) -> list[bool]:
+        """Every tree node's test under its parent's distribution (``probs`` [block, V])."""
+        entropy = -(probs * probs.clamp_min(1e-10).log()).sum(-1)
+        threshold = torch.minimum(torch.full_like(entropy, self.epsilon), self.delta * torch.exp(-entropy))
+        parent = torch.tensor(parents[1:], dtype=torch.long, device=probs.device)
+        p = probs[parent, torch.tensor(tokens[1:], dtype=torch.long, device=probs.device)]
+        return [False] + (p > threshold[parent]).tolist()
+
+    def sample(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -211,14 +211,23 @@ class ChimeraDraft(DraftHeads):
 
 
 class NGramCache:
-    """Fixed-size LRU cache of n-gram encoder outputs by token ids (Chimera §4.1.1); ``size=0`` disables it."""
+    """Fixed-size LRU cache of n-gram encoder outputs by token ids (Chimera §4.1.1); ``size=0`` disables it.
+
+    Entries belong to the weights they were computed with: any change of the encoder's or the embeddings' weights
+    (an optimizer step, ``load_state_dict``: in-place updates, which bump the tensors' version counters) empties the
+    cache, so a decoder kept across training steps (the speedup callback's) never drafts from stale states."""
 
     def __init__(self, size: int):
         self.size, self.entries = size, OrderedDict()
         self.hits = self.misses = 0
+        self.weights: tuple | None = None     # (id, version) of every weight the cached states were computed with
 
     def states(self, draft: ChimeraDraft, embed: nn.Module, ngrams: list[tuple[int, ...]]) -> torch.Tensor:
         """[len(ngrams), d] encoder outputs of ``ngrams`` (token ids; -1 = before the first token)."""
+        weights = tuple((id(w), w._version) for w in (embed.weight, *draft.ngram_encoder.parameters()))
+        if weights != self.weights:
+            self.entries.clear()
+            self.weights = weights
         missing = list(ngrams) if not self.size else [g for g in dict.fromkeys(ngrams) if g not in self.entries]
         self.misses += len(missing)
         computed = torch.empty(0)
