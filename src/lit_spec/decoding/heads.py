@@ -46,45 +46,72 @@ class MedusaCandidates:
         return logits.topk(k, dim=-1).indices
 
 
+class _KeysValues:
+    """The full-context block's keys/values of one decode in one growing buffer ([1, heads, capacity, dh], doubled
+    when full): ``length`` committed entries (base and n-gram states, in any order — the block has no positions and
+    decoding needs no mask), then scratch room for the drafted n-grams of the step in progress."""
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.length = 0
+
+    def write(self, at: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        end = at + keys.size(2)
+        if self.keys is None or end > self.keys.size(2):
+            size = max(2 * end, 64)
+            grown = [kv.new_empty(*kv.shape[:2], size, kv.size(3)) for kv in (keys, keys)]
+            if self.keys is not None:
+                for new, old in zip(grown, (self.keys, self.values)):
+                    new[:, :, : self.length] = old[:, :, : self.length]
+            self.keys, self.values = grown
+        self.keys[:, :, at:end], self.values[:, :, at:end] = keys, values
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.write(self.length, keys, values)
+        self.length += keys.size(2)
+
+    def upto(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
 class ChimeraCandidates:
     """One decode's drafting state: the full-context block's keys/values of the base states (every token but the
     pending one) and of the n-gram states (every token), each computed once."""
 
     def __init__(self, draft: ChimeraDraft, embed: torch.nn.Module, cache: NGramCache, prompt: list[int]):
         self.draft, self.embed, self.cache, self.prompt = draft, embed, cache, prompt
-        self.llm: list[torch.Tensor] | None = None   # [keys, values] of the base states, [1, heads, L, dh]
-        self.tri: list[torch.Tensor] | None = None   # [keys, values] of the n-gram states
-        self.encoded = 0                              # tokens whose n-gram state is in ``tri``
+        self.kv = _KeysValues()
+        self.base_states = 0                          # tokens whose base state is in ``kv``
+        self.encoded = 0                              # tokens whose n-gram state is in ``kv``
 
     def _ngram_states(self, tokens: list[int], ends: range) -> torch.Tensor:
         g = self.draft.ngram
         grams = [tuple(tokens[i] if i >= 0 else -1 for i in range(end - g + 1, end + 1)) for end in ends]
         return self.cache.states(self.draft, self.embed, grams)
 
-    @staticmethod
-    def _extend(kv: list[torch.Tensor] | None, new: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
-        return list(new) if kv is None else [torch.cat([a, b], dim=2) for a, b in zip(kv, new)]
-
     @torch.no_grad()
     def __call__(self, state: DecodeState, depth: int, k: int) -> torch.Tensor:
         start = time.perf_counter()
-        block, tokens = self.draft.block, self.prompt + state.out[0]     # tokens[-1]: the pending token
-        self.llm = self._extend(self.llm, block.keys_values(state.hidden[:1]))
-        if self.llm[0].size(2) != len(tokens) - 1:
-            raise RuntimeError(f"chimera: {self.llm[0].size(2)} base states for {len(tokens) - 1} cached tokens")
+        draft, block, kv = self.draft, self.draft.block, self.kv
+        tokens = self.prompt + state.out[0]                              # tokens[-1]: the pending token
+        kv.append(*block.keys_values(state.hidden[:1]))
+        self.base_states += state.hidden.size(1)
+        if self.base_states != len(tokens) - 1:
+            raise RuntimeError(f"chimera: {self.base_states} base states for {len(tokens) - 1} cached tokens")
         tri = self._ngram_states(tokens, range(self.encoded, len(tokens)))
-        self.tri, self.encoded = self._extend(self.tri, block.keys_values(tri[None])), len(tokens)
-        query, llm_last = tri[-1], state.hidden[0, -1]                    # n-gram of x_{n+1}; h_LLM_n
-        keys, values = (torch.cat([a, b], dim=2) for a, b in zip(self.llm, self.tri))
+        q, new_k, new_v = block.queries_keys_values(tri[None])
+        kv.append(new_k, new_v)
+        self.encoded = len(tokens)
+        query, q, llm_last = tri[-1:][None], q[:, :, -1:], state.hidden[0, -1]   # n-gram of x_{n+1}; h_LLM_n
         top = []
         for d in range(depth):
-            full = block(query[None, None], keys, values, None)[0, 0]
-            top.append(self.draft.heads[d](self.draft.head_input(llm_last, full)).topk(k).indices)
+            full = block(query, *kv.upto(kv.length + d), q=q)[0, 0]
+            top.append(draft.heads[d](draft.head_input(llm_last, full)).topk(k).indices)
             if d + 1 < depth:                          # the next query: the n-gram ending with this depth's top-1
                 tokens = tokens + [int(top[-1][0])]
-                query = self._ngram_states(tokens, range(len(tokens) - 1, len(tokens)))[0]
-                new_k, new_v = block.keys_values(query[None, None])
-                keys, values = torch.cat([keys, new_k], dim=2), torch.cat([values, new_v], dim=2)
+                query = self._ngram_states(tokens, range(len(tokens) - 1, len(tokens)))[None]
+                q, new_k, new_v = block.queries_keys_values(query)
+                kv.write(kv.length + d, new_k, new_v)   # scratch: overwritten by the next step's committed states
         _count_draft(state, start, depth)
         return torch.stack(top)
 

@@ -122,29 +122,42 @@ class MedusaHeads(DraftHeads):
 
 class FullContextBlock(nn.Module):
     """One pre-norm transformer block (RMSNorm, multi-head attention, SiLU MLP) whose queries and keys come apart:
-    keys/values of every context state are computed once (``keys_values``) and queried by any subset of states."""
+    keys/values of every context state are computed once (``keys_values``) and queried by any subset of states.
+    Query, key and value projections are one matrix (``qkv``): a drafted n-gram state, which is both a query and a
+    new key, needs one matrix product."""
 
     def __init__(self, hidden_size: int, attention_heads: int, ffn_size: int, eps: float = 1e-6):
         super().__init__()
         if hidden_size % attention_heads:
             raise ConfigError(f"attention_heads={attention_heads} must divide the hidden size {hidden_size}")
-        self.heads = attention_heads
+        self.heads, self.hidden_size = attention_heads, hidden_size
         self.norm_in, self.norm_mid = nn.RMSNorm(hidden_size, eps=eps), nn.RMSNorm(hidden_size, eps=eps)
-        self.q, self.k, self.v, self.o = (nn.Linear(hidden_size, hidden_size, bias=False) for _ in range(4))
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
+        self.o = nn.Linear(hidden_size, hidden_size, bias=False)
         self.mlp = nn.Sequential(nn.Linear(hidden_size, ffn_size), nn.SiLU(), nn.Linear(ffn_size, hidden_size))
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:        # [B, L, d] -> [B, heads, L, d / heads]
         return x.unflatten(-1, (self.heads, -1)).transpose(1, 2)
 
+    def _project(self, states: torch.Tensor, rows: slice) -> list[torch.Tensor]:
+        """Rows ``rows`` of [q; k; v] (a slice of the fused weight) of ``states``, each [B, heads, L, dh]."""
+        x = F.linear(self.norm_in(states), self.qkv.weight[rows])
+        return [self._split(part) for part in x.split(self.hidden_size, dim=-1)]
+
     def keys_values(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.norm_in(states)
-        return self._split(self.k(x)), self._split(self.v(x))
+        k, v = self._project(states, slice(self.hidden_size, None))
+        return k, v
+
+    def queries_keys_values(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self._project(states, slice(None))
+        return q, k, v
 
     def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                allowed: torch.Tensor | None = None) -> torch.Tensor:
+                allowed: torch.Tensor | None = None, q: torch.Tensor | None = None) -> torch.Tensor:
         """``queries`` [B, Q, d] attend to ``keys``/``values`` [B, heads, L, dh] where ``allowed`` [B, Q, L]
-        (None: everywhere)."""
-        q = self._split(self.q(self.norm_in(queries)))
+        (None: everywhere); ``q``: their projected queries when already computed (``queries_keys_values``)."""
+        if q is None:
+            (q,) = self._project(queries, slice(0, self.hidden_size))
         mask = None if allowed is None else allowed[:, None]
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         h = queries + self.o(attended.transpose(1, 2).flatten(-2))
