@@ -224,6 +224,26 @@ def test_a_training_step_changes_the_heads_only(micro_config):
     assert any(not torch.equal(v, heads[k]) for k, v in module.heads.state_dict().items())
 
 
+def test_a_batch_without_answer_tokens_gives_a_zero_loss(micro_config):
+    """Every label masked (e.g. answers too short for any head): a zero loss that backpropagates zero gradients,
+    instead of a loss without a graph that would stop training (or leave a DDP rank out of the all-reduce)."""
+    from lit_spec.config import build
+
+    cfg = micro_config("method=medusa")
+    spec = build(cfg.model)
+    spec.prepare()
+    datamodule = build(cfg.data, tokenizer=spec.load_tokenizer())
+    datamodule.setup("fit")
+    module = build(cfg.method, model_spec=spec)
+    module.configure_model()
+    batch = next(iter(datamodule.train_dataloader()))
+    batch["labels"].fill_(-100)
+    loss = module.training_step(batch, 0)
+    loss.backward()
+    assert loss.item() == 0
+    assert all(p.grad is not None and not p.grad.any() for p in module.heads.parameters())
+
+
 @pytest.mark.parametrize("method", ["chimera", "medusa"])
 def test_train_logs_head_accuracy_exports_the_heads_and_resumes(micro_config, tmp_path, method):
     """A micro run: per-head top-k accuracy and the speedup callback's numbers are logged; the export holds only the

@@ -115,6 +115,8 @@ class HeadsModule(MethodModule):
                 for t in TOP_K:
                     self.log(f"val/head{k}/top{t}", top[:, :t].any(-1).float().mean(), batch_size=n,
                              sync_dist=True)
+        if count == 0:    # no answer token reaches any head: a zero loss that still has every head's gradient (0)
+            next_word = sum(p.sum() for p in self.heads.parameters()) * 0.0
         loss = hp.next_word_weight * next_word
         self.log(f"{stage}/next_word", next_word, batch_size=max(count, 1), sync_dist=stage == "val")
         if full is not None:
