@@ -15,7 +15,8 @@ class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys/values are views of a buffer that grows by doubling, so a forward appends its new
     entries in place instead of re-concatenating the whole past (``DynamicLayer.update`` copies every layer's cache
     on every forward, which dominates small blocks on CPU). Crop and in-place edits keep the views on the buffer;
-    anything that replaces the tensors (row selection) is adopted as a new buffer at the next update."""
+    anything that replaces the tensors (row selection) is adopted as a new buffer at the next update. The Chimera
+    draft keeps its full-context block's keys/values in one too (``decoding.heads.ChimeraCandidates``)."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:

@@ -20,6 +20,7 @@ import time
 import torch
 
 from lit_spec.decoding.base import register
+from lit_spec.decoding.cache import GrowingLayer
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.stats import sync_device
 from lit_spec.decoding.tree import TreeDecoder
@@ -46,41 +47,13 @@ class MedusaCandidates:
         return logits.topk(k, dim=-1).indices
 
 
-class _KeysValues:
-    """The full-context block's keys/values of one decode in one growing buffer ([1, heads, capacity, dh], doubled
-    when full): ``length`` committed entries (base and n-gram states, in any order — the block has no positions and
-    decoding needs no mask), then scratch room for the drafted n-grams of the step in progress."""
-
-    def __init__(self):
-        self.keys = self.values = None
-        self.length = 0
-
-    def write(self, at: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        end = at + keys.size(2)
-        if self.keys is None or end > self.keys.size(2):
-            size = max(2 * end, 64)
-            grown = [kv.new_empty(*kv.shape[:2], size, kv.size(3)) for kv in (keys, keys)]
-            if self.keys is not None:
-                for new, old in zip(grown, (self.keys, self.values)):
-                    new[:, :, : self.length] = old[:, :, : self.length]
-            self.keys, self.values = grown
-        self.keys[:, :, at:end], self.values[:, :, at:end] = keys, values
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.write(self.length, keys, values)
-        self.length += keys.size(2)
-
-    def upto(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-
 class ChimeraCandidates:
     """One decode's drafting state: the full-context block's keys/values of the base states (every token but the
     pending one) and of the n-gram states (every token), each computed once."""
 
     def __init__(self, draft: ChimeraDraft, embed: torch.nn.Module, cache: NGramCache, prompt: list[int]):
         self.draft, self.embed, self.cache, self.prompt = draft, embed, cache, prompt
-        self.kv = _KeysValues()
+        self.kv = GrowingLayer()        # the block's keys/values (any order: no positions, no mask when decoding)
         self.base_states = 0                          # tokens whose base state is in ``kv``
         self.encoded = 0                              # tokens whose n-gram state is in ``kv``
 
@@ -94,24 +67,25 @@ class ChimeraCandidates:
         start = time.perf_counter()
         draft, block, kv = self.draft, self.draft.block, self.kv
         tokens = self.prompt + state.out[0]                              # tokens[-1]: the pending token
-        kv.append(*block.keys_values(state.hidden[:1]))
+        kv.update(*block.keys_values(state.hidden[:1]))
         self.base_states += state.hidden.size(1)
         if self.base_states != len(tokens) - 1:
             raise RuntimeError(f"chimera: {self.base_states} base states for {len(tokens) - 1} cached tokens")
         tri = self._ngram_states(tokens, range(self.encoded, len(tokens)))
         q, new_k, new_v = block.queries_keys_values(tri[None])
-        kv.append(new_k, new_v)
+        kv.update(new_k, new_v)
         self.encoded = len(tokens)
         query, q, llm_last = tri[-1:][None], q[:, :, -1:], state.hidden[0, -1]   # n-gram of x_{n+1}; h_LLM_n
         top = []
         for d in range(depth):
-            full = block(query, *kv.upto(kv.length + d), q=q)[0, 0]
+            full = block(query, kv.keys, kv.values, q=q)[0, 0]
             top.append(draft.heads[d](draft.head_input(llm_last, full)).topk(k).indices)
             if d + 1 < depth:                          # the next query: the n-gram ending with this depth's top-1
                 tokens = tokens + [int(top[-1][0])]
                 query = self._ngram_states(tokens, range(len(tokens) - 1, len(tokens)))[None]
                 q, new_k, new_v = block.queries_keys_values(query)
-                kv.write(kv.length + d, new_k, new_v)   # scratch: overwritten by the next step's committed states
+                kv.update(new_k, new_v)
+        kv.crop(1 - depth)                             # drop the drafted n-grams' keys/values (depth - 1 of them)
         _count_draft(state, start, depth)
         return torch.stack(top)
 
