@@ -57,6 +57,20 @@ def test_bench_runs_every_runner_and_writes_its_report(micro_dirs, tmp_path):
     assert quality["mean_new_tokens"] == methods["ar"]["new_tokens"] / results["num_prompts"]
 
 
+def test_bench_samples_every_runner_at_a_temperature(micro_dirs, tmp_path):
+    """bench.temperature > 0: our AR, the tree decoder (typical acceptance) and transformers' generate all sample,
+    so their tokens/s compare like with like; exact match (a greedy check) is not reported."""
+    cfg = bench_config(tmp_path, *micro_dirs, "decoding=[tree]", "bench.temperature=0.8",
+                       "bench.hf_peers=[generate]")
+    results = run_benchmark(cfg, tmp_path)
+    methods = results["methods"]
+    assert set(methods) == {"ar", "tree", "hf_generate"} and results["temperature"] == 0.8
+    assert all(m["exact_match"] is None and m["new_tokens"] > 0 for m in methods.values())
+    assert methods["tree"]["mean_accepted"] >= 1.0
+    table = (tmp_path / "bench.md").read_text()
+    assert "| ar |" in table and "sampled AR answers" in table
+
+
 def test_bench_scores_the_greedy_answers(micro_dirs, tmp_path):
     from lit_spec.config import build
     from lit_spec.data.metrics import token_f1
