@@ -127,6 +127,21 @@ def test_greedy_identical_to_generate(models, arch):
         assert out.sequences[0, ids.size(1):].tolist()[: len(ref)] == ref
 
 
+def test_typical_acceptance_through_the_heads_decoders(models):
+    """temperature > 0 reaches the heads decoders' tree verification: seeded runs repeat; near temperature 0 the
+    target's distributions are one-hot and typical acceptance gives the greedy output."""
+    model = models["qwen2"]
+    heads = {"chimera": chimera(model), "medusa": medusa(model)}
+    ids, mask = random_prompts(1, [6], seed=31)
+    ref = reference_greedy(model, ids, mask, 20)
+    for method in ("chimera", "medusa"):
+        def run(**kw):
+            return generate(model, ids, method, max_new_tokens=20, heads=heads[method], **kw).sequences
+
+        assert torch.equal(run(temperature=1.0, seed=4), run(temperature=1.0, seed=4)), method
+        assert torch.equal(run(temperature=1e-4, seed=4), ref), method
+
+
 def test_save_load_gives_the_same_decoder(models, tmp_path):
     model = models["mistral"]
     ids, _ = random_prompts(1, [7], seed=3)
