@@ -20,9 +20,11 @@ CONF = config_dir()
 # groups of another entry config than train.yaml (decoding belongs to bench.yaml; chosen as a list)
 PRIMARY = {"decoding": "bench"}
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in {"hydra", "experiment"})
-# configs that deliberately leave a value to the user (model=hf: name_or_path; decoding=chimera/medusa: the heads)
+# configs that deliberately leave a value to the user (model=hf: name_or_path; decoding=chimera/medusa/
+# hidden_transfer: the trained heads or maps)
 MANDATORY = {("model", "hf"): {"model.name_or_path"}, ("decoding", "chimera"): {"decoding.chimera.heads"},
-             ("decoding", "medusa"): {"decoding.medusa.heads"}}
+             ("decoding", "medusa"): {"decoding.medusa.heads"},
+             ("decoding", "hidden_transfer"): {"decoding.hidden_transfer.transfer"}}
 # hydra.utils helpers whose `path` names a second thing to import
 LOCATORS = {"hydra.utils.get_method", "hydra.utils.get_class", "hydra.utils.get_object"}
 

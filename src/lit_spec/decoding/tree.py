@@ -19,7 +19,7 @@ no training needed), or from any ``candidates(state, depth, k) -> [depth, k]`` f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Callable, NamedTuple
 
 import torch
@@ -128,8 +128,9 @@ class TreeSpec:
         """Position offsets of the verified block from the pending token: 0, then each node's depth."""
         return torch.tensor([0] + self.depths)
 
+    @lru_cache(maxsize=64)
     def truncated(self, depth: int) -> "TreeSpec":
-        """The nodes at depth <= ``depth`` (still a tree: ancestors are shallower)."""
+        """The nodes at depth <= ``depth`` (still a tree: ancestors are shallower); cached, with its properties."""
         return TreeSpec(tuple(p for p in self.paths if len(p) <= depth))
 
     def build_candidates(self, top_k_tokens: torch.Tensor) -> torch.Tensor:
@@ -159,17 +160,24 @@ def verify_tree(state: DecodeState, spec: TreeSpec, tree_tokens: torch.Tensor,
     device = state.pending.device
     block = torch.cat([state.pending[:1], tree_tokens.to(device)])[None]
     logits = state.forward(block, spec.block_visible.to(device), spec.block_depths.to(device))[0]
-    tokens = block[0].tolist()
+    return commit_tree(state, spec, block[0].tolist(), logits, block.size(1), typical)
+
+
+def commit_tree(state: DecodeState, spec: TreeSpec, tokens: list[int], logits: torch.Tensor, fed: int,
+                typical: TypicalAcceptance | None = None) -> TreeStep:
+    """Acceptance over a verified tree: ``tokens`` [pending + nodes] and their ``logits`` from the forward that fed
+    ``fed`` tokens (the tree first; anything after it is dropped from the cache with the rejected nodes)."""
+    parents = spec.block_parents
     if typical is None:
-        target = logits.argmax(-1).tolist()
-        path = tree_accept_path(spec.block_parents, greedy_tree_accepts(spec.block_parents, tokens, target))
+        target = logits[: len(tokens)].argmax(-1).tolist()
+        path = tree_accept_path(parents, greedy_tree_accepts(parents, tokens, target))
         extra = target[path[-1] if path else 0]
     else:
-        probs = typical.probs(logits)
-        path = tree_accept_path(spec.block_parents, typical.accepts(probs, spec.block_parents, tokens))
+        probs = typical.probs(logits[: len(tokens)])
+        path = tree_accept_path(parents, typical.accepts(probs, parents, tokens))
         extra = typical.sample(probs[path[-1] if path else 0])
     committed = [tokens[i] for i in path] + [extra]
-    state.keep_path(block.size(1), [0] + path)
+    state.keep_path(fed, [0] + path)
     state.commit([committed], advance=[len(path) + 1], drafted=[spec.depth])
     return TreeStep(committed, [i - 1 for i in path], logits)
 
@@ -215,18 +223,23 @@ class TreeDecoder(Decoder):
         check_context(self.draft_model, state, self.name)
         return DraftCandidates(self.draft_model)
 
-    def _decode(self, state: DecodeState) -> None:
-        state.require_single_row(self.name)
-        candidates = self.new_candidates(state)
+    def commit_first(self, state: DecodeState) -> None:
+        """The prefill and the target's first token (argmax, or sampled at the temperature)."""
         first = state.prefill()[0]
         first = int(first.argmax(-1)) if self.typical is None else self.typical.sample(self.typical.probs(first))
         state.commit([[first]], advance=[0])
-        specs: dict[int, TreeSpec] = {}
+
+    def spec_for(self, state: DecodeState) -> TreeSpec:
+        """The tree, cut to the tokens still to decode (a path longer than that could not be committed)."""
+        room = state.max_new_tokens - len(state.out[0]) - 1
+        return self.spec if room >= self.spec.depth else self.spec.truncated(max(room, 0))
+
+    def _decode(self, state: DecodeState) -> None:
+        state.require_single_row(self.name)
+        candidates = self.new_candidates(state)
+        self.commit_first(state)
         while not state.finished:
-            room = state.max_new_tokens - len(state.out[0]) - 1   # a path longer than this could not be committed
-            if room < self.spec.depth and room not in specs:
-                specs[room] = self.spec.truncated(room)
-            spec = self.spec if room >= self.spec.depth else specs[room]
+            spec = self.spec_for(state)
             top_k = candidates(state, spec.depth, spec.top_k) if len(spec) else None
             verify_tree(state, spec, spec.build_candidates(top_k) if top_k is not None
                         else state.pending.new_empty(0), self.typical)

@@ -1,5 +1,6 @@
 from lit_spec.methods.ar import ARModule
 from lit_spec.methods.cllm import CLLMModule
 from lit_spec.methods.heads import ChimeraModule, MedusaModule
+from lit_spec.methods.hidden_transfer import HiddenTransferModule
 
-__all__ = ["ARModule", "CLLMModule", "ChimeraModule", "MedusaModule"]
+__all__ = ["ARModule", "CLLMModule", "ChimeraModule", "MedusaModule", "HiddenTransferModule"]

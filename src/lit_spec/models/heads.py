@@ -27,6 +27,7 @@ Medusa-1 (Cai et al. 2024): head k = vocabulary projection (initialised from the
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections import OrderedDict
 from pathlib import Path
@@ -280,8 +281,10 @@ def load_heads(directory: str | Path) -> tuple[DraftHeads, dict]:
     directory = Path(directory)
     if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
         raise ConfigError(f"{directory}: no draft heads there (expected {CONFIG} and {WEIGHTS}, written by a "
-                          "method=chimera or method=medusa run's export_dir)")
+                          "method=chimera, medusa or hidden_transfer run's export_dir)")
     meta = json.loads((directory / CONFIG).read_text())
+    importlib.import_module("lit_spec.models.hidden_transfer")   # registers its kind (it imports this module)
+
     if meta.get("kind") not in HEADS:
         raise ConfigError(f"{directory / CONFIG}: unknown heads kind {meta.get('kind')!r} (have {sorted(HEADS)})")
     heads = HEADS[meta["kind"]](**meta["config"])

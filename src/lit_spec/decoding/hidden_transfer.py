@@ -1,0 +1,59 @@
+"""``hidden_transfer``: tree decoding whose drafts come out of the verification forward itself (Hidden Transfer §3.4).
+
+Each step feeds [pending token + tree nodes] and, for every one of them, k pseudo tokens (``transfer_block``'s
+layout); the transfer hooks (``models.hidden_transfer``) turn those into the pseudo states of the k tokens after
+their anchor. The tree is verified as by ``tree`` (greedy: lossless), the pseudo entries are dropped from the cache
+with the rejected nodes, and the pseudo tokens anchored at the last accepted node give the top-k candidates of the
+next tree: no draft model and no extra forward. The first step after the prefill has no candidates yet: it feeds
+the pending token and its pseudo tokens only (an AR step that also drafts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lit_spec.decoding.base import register
+from lit_spec.decoding.heads import _check_depth, _heads
+from lit_spec.decoding.state import DecodeState
+from lit_spec.decoding.tree import TreeDecoder, TreeSpec, commit_tree
+from lit_spec.models.hidden_transfer import HiddenTransfer, transfer_block
+
+
+@register("hidden_transfer")
+class HiddenTransferDecoder(TreeDecoder):
+    """``transfer``: a ``HiddenTransfer`` or a directory from ``save_heads`` (method=hidden_transfer's export)."""
+
+    needs_draft = False
+
+    def __init__(self, model, transfer, tree=(2, 1, 1), **kwargs):
+        self.transfer = _heads(transfer, HiddenTransfer, model).init_from_base(model)
+        super().__init__(model, tree=tree, **kwargs)
+        _check_depth(self.transfer, self)
+        self._blocks: dict[TreeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _block(self, spec: TreeSpec, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Visibility and positions of [tree + pseudo tokens] for ``spec`` (cached)."""
+        if spec not in self._blocks:
+            self._blocks[spec] = tuple(x.to(device) for x in transfer_block(
+                spec.block_visible, spec.block_depths, self.transfer.num_heads, self.transfer.masked))
+        return self._blocks[spec]
+
+    @torch.no_grad()
+    def _decode(self, state: DecodeState) -> None:
+        state.require_single_row(self.name)
+        self.commit_first(state)
+        device, k = state.pending.device, self.transfer.num_heads
+        candidates = None                                   # [k, top-k] from the last step's pseudo tokens
+        while not state.finished:
+            spec = self.spec_for(state) if candidates is not None else self.spec.truncated(0)
+            real = torch.cat([state.pending[:1], spec.build_candidates(candidates[: spec.depth]).to(device)
+                              if len(spec) else state.pending.new_empty(0)])
+            visible, depth = self._block(spec, device)
+            block = real.repeat(1 + k)[None]                # pseudo inputs: placeholders, replaced by the hooks
+            anchors = torch.arange(real.numel(), device=device)
+            with self.transfer.planned(real.numel(), anchors):
+                logits = state.forward(block, visible, depth)[0]
+            step = commit_tree(state, spec, real.tolist(), logits, block.size(1), self.typical)
+            last = step.path[-1] + 1 if step.path else 0    # block index of the last accepted token
+            pseudo = logits[real.numel() + last:: real.numel()][:k]   # its pseudo tokens, steps 1..k
+            candidates = pseudo.topk(self.spec.top_k, dim=-1).indices
