@@ -23,11 +23,13 @@ from lit_spec.models.hidden_transfer import HiddenTransfer, transfer_block
 class HiddenTransferDecoder(TreeDecoder):
     """``transfer``: a ``HiddenTransfer`` or a directory from ``save_heads`` (method=hidden_transfer's export)."""
 
-    needs_draft = False
+    # the final (normed) states of the forward: only the k pseudo tokens of the accepted node get the LM head
+    needs_draft, record_hidden = False, True
 
     def __init__(self, model, transfer, tree=(2, 1, 1), **kwargs):
         self.transfer = _heads(transfer, HiddenTransfer, model).init_from_base(model)
         super().__init__(model, tree=tree, **kwargs)
+        self.lm_head = model.get_output_embeddings()
         _check_depth(self.transfer, self)
         self._blocks: dict[TreeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -51,9 +53,10 @@ class HiddenTransferDecoder(TreeDecoder):
             visible, depth = self._block(spec, device)
             block = real.repeat(1 + k)[None]                # pseudo inputs: placeholders, replaced by the hooks
             anchors = torch.arange(real.numel(), device=device)
-            with self.transfer.planned(real.numel(), anchors):
-                logits = state.forward(block, visible, depth)[0]
+            with self.transfer.planned(real.numel(), anchors):   # logits of the tree only; the pseudo tokens'
+                logits = state.forward(block, visible, depth, logits_at=anchors)[0]   # final states are kept
+            hidden = state.hidden[0]
             step = commit_tree(state, spec, real.tolist(), logits, block.size(1), self.typical)
             last = step.path[-1] + 1 if step.path else 0    # block index of the last accepted token
-            pseudo = logits[real.numel() + last:: real.numel()][:k]   # its pseudo tokens, steps 1..k
+            pseudo = self.lm_head(hidden[real.numel() + last:: real.numel()][:k])   # its pseudo tokens, steps 1..k
             candidates = pseudo.topk(self.spec.top_k, dim=-1).indices
