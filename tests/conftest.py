@@ -70,3 +70,38 @@ def models():
     from random_models import ARCHS, random_model
 
     return {arch: random_model(arch) for arch in ARCHS}
+
+
+# ---- method modules without a trainer ------------------------------------------------------------------------------
+def built_method(cfg: DictConfig):
+    """The method module of a run config (model loaded by ``configure_model``) and its set-up datamodule."""
+    from lit_spec.config import build
+
+    spec = build(cfg.model)
+    spec.prepare()
+    datamodule = build(cfg.data, tokenizer=spec.load_tokenizer())
+    datamodule.setup("fit")
+    module = build(cfg.method, model_spec=spec)
+    module.configure_model()
+    return module, datamodule
+
+
+def heads_training_step(module, batch: dict) -> tuple[float, list[bool]]:
+    """One AdamW step of a frozen-base method (``module.heads`` trainable, ``module.model`` frozen): checks that only
+    the heads can train and that the base, embeddings included, got no gradient and did not change; returns the loss
+    and, per heads tensor, whether it changed."""
+    import torch
+
+    module.train()
+    assert not module.model.training                      # the frozen base runs without dropout
+    base = {k: v.clone() for k, v in module.model.state_dict().items()}
+    heads = {k: v.clone() for k, v in module.heads.state_dict().items()}
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    assert trainable and all(any(p is q for q in module.heads.parameters()) for p in trainable)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    loss = module.training_step(batch, 0)
+    loss.backward()
+    optimizer.step()
+    assert all(p.grad is None for p in module.model.parameters())
+    assert all(torch.equal(v, base[k]) for k, v in module.model.state_dict().items())
+    return loss.item(), [not torch.equal(v, heads[k]) for k, v in module.heads.state_dict().items()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import built_method, heads_training_step
 from random_models import ARCHS, greedy_with_mid_output_eos, random_model, random_prompts, reference_greedy
 
 from lit_spec.decoding import generate
@@ -215,42 +216,15 @@ def test_bad_input_is_a_config_error(models, tmp_path):
 
 # ---- training ---------------------------------------------------------------------------------------------------
 def test_a_training_step_changes_the_heads_only(micro_config):
-    from lit_spec.config import build
-
-    cfg = micro_config("method=chimera")
-    spec = build(cfg.model)
-    spec.prepare()
-    datamodule = build(cfg.data, tokenizer=spec.load_tokenizer())
-    datamodule.setup("fit")
-    module = build(cfg.method, model_spec=spec)
-    module.configure_model()
-    module.train()
-    base = {k: v.clone() for k, v in module.model.state_dict().items()}
-    heads = {k: v.clone() for k, v in module.heads.state_dict().items()}
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    assert trainable and all(any(p is q for q in module.heads.parameters()) for p in trainable)
-    assert not module.model.training                      # the frozen base runs without dropout
-    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
-    loss = module.training_step(next(iter(datamodule.train_dataloader())), 0)
-    loss.backward()
-    optimizer.step()
-    assert all(p.grad is None for p in module.model.parameters())
-    assert all(torch.equal(v, base[k]) for k, v in module.model.state_dict().items())
-    assert any(not torch.equal(v, heads[k]) for k, v in module.heads.state_dict().items())
+    module, datamodule = built_method(micro_config("method=chimera"))
+    _, changed = heads_training_step(module, next(iter(datamodule.train_dataloader())))
+    assert any(changed)
 
 
 def test_a_batch_without_answer_tokens_gives_a_zero_loss(micro_config):
     """Every label masked (e.g. answers too short for any head): a zero loss that backpropagates zero gradients,
     instead of a loss without a graph that would stop training (or leave a DDP rank out of the all-reduce)."""
-    from lit_spec.config import build
-
-    cfg = micro_config("method=medusa")
-    spec = build(cfg.model)
-    spec.prepare()
-    datamodule = build(cfg.data, tokenizer=spec.load_tokenizer())
-    datamodule.setup("fit")
-    module = build(cfg.method, model_spec=spec)
-    module.configure_model()
+    module, datamodule = built_method(micro_config("method=medusa"))
     batch = next(iter(datamodule.train_dataloader()))
     batch["labels"].fill_(-100)
     loss = module.training_step(batch, 0)
