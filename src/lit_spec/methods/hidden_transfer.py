@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from lit_spec.data import IGNORE_INDEX
 from lit_spec.decoding.hidden_transfer import HiddenTransferDecoder
-from lit_spec.decoding.masks import causal
+from lit_spec.decoding.masks import attention_mask, causal
 from lit_spec.methods.heads import TOP_K, HeadsModule
 from lit_spec.methods.losses import check_distance, distance
 from lit_spec.models.hidden_transfer import HiddenTransfer, transfer_block
@@ -51,20 +51,19 @@ class HiddenTransferModule(HeadsModule):
         positions = torch.arange(t, device=ids.device)
         visible, depth = transfer_block(causal(t, ids.device), positions, k, transfer.masked)
         allowed = visible[None] & valid.repeat(1, 1 + k)[:, None, :]        # padding keys (and their chains) unseen
-        dtype = next(self.model.parameters()).dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        mask = attention_mask(valid[:, :0], allowed, next(self.model.parameters()).dtype)   # no past: [B, 1, Q, Q]
         cosine = hp.log_cosine and stage == "val"
         with transfer.planned(t, positions):
-            out = self.model(input_ids=ids.repeat(1, 1 + k), attention_mask=mask[:, None],
+            out = self.model(input_ids=ids.repeat(1, 1 + k), attention_mask=mask,
                              position_ids=depth[None].expand(b, -1), output_hidden_states=cosine)
         logits, answer = out.logits, batch["labels"] != IGNORE_INDEX
-        total, counted = logits.new_zeros(()), 0
+        total = logits.new_zeros(())
         for i in range(1, k + 1):
             student = logits[:, t * i: t * (i + 1) - i]         # pseudo (j, i), j < T - i: stands for position j+i
             teacher = logits[:, i:t]                             # the base's own distribution at j+i
             where = valid[:, i:] & F.pad(answer[:, i + 1:], (0, 1))   # the token after j+i is an answer token
             loss_i = distance(student, teacher, where, hp.distance, hp.jsd_beta)
-            total, counted = total + loss_i, counted + int(where.sum())
+            total = total + loss_i
             if stage == "val" and where.any():
                 self.log(f"val/step{i}/loss", loss_i, batch_size=b, sync_dist=True)
                 top = student[where].topk(max(TOP_K), dim=-1).indices == teacher[where].argmax(-1)[:, None]

@@ -74,10 +74,18 @@ class DecodingHead(nn.Module):
         return self.out(self.block(self.proj(x)))
 
 
+HEADS: dict[str, type["DraftHeads"]] = {}   # kind -> class, for ``load_heads`` (filled by subclassing)
+
+
 class DraftHeads(nn.Module):
-    """What Chimera's draft and Medusa's heads share: K heads, their config, initialisation from the base."""
+    """What Chimera's draft, Medusa's heads and Hidden Transfer's maps share: K heads, their config, initialisation
+    from the base. Every subclass registers its ``kind`` for ``load_heads``."""
 
     kind = "heads"
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        HEADS[cls.kind] = cls
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int):
         super().__init__()
@@ -262,9 +270,6 @@ class NGramCache:
         return torch.stack(rows)
 
 
-HEADS = {cls.kind: cls for cls in (ChimeraDraft, MedusaHeads)}
-
-
 def save_heads(heads: DraftHeads, directory: str | Path, base_model: dict) -> Path:
     """Write the heads' parameters (safetensors) and ``heads.json`` (kind, config, the base model's spec) into
     ``directory``, atomically."""
@@ -283,7 +288,7 @@ def load_heads(directory: str | Path) -> tuple[DraftHeads, dict]:
         raise ConfigError(f"{directory}: no draft heads there (expected {CONFIG} and {WEIGHTS}, written by a "
                           "method=chimera, medusa or hidden_transfer run's export_dir)")
     meta = json.loads((directory / CONFIG).read_text())
-    importlib.import_module("lit_spec.models.hidden_transfer")   # registers its kind (it imports this module)
+    importlib.import_module("lit_spec.models.hidden_transfer")   # defines (so registers) a kind; imports this module
 
     if meta.get("kind") not in HEADS:
         raise ConfigError(f"{directory / CONFIG}: unknown heads kind {meta.get('kind')!r} (have {sorted(HEADS)})")

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lit_spec.errors import ConfigError
-from lit_spec.models.heads import HEADS, DraftHeads
+from lit_spec.models.heads import DraftHeads
 
 
 def transfer_block(visible: torch.Tensor, depth: torch.Tensor, steps: int,
@@ -118,5 +118,3 @@ class HiddenTransfer(DraftHeads):
 
         return inject
 
-
-HEADS[HiddenTransfer.kind] = HiddenTransfer
