@@ -11,7 +11,8 @@ from random_models import (ARCHS, check_cache_after_each_commit, greedy_with_mid
                            reference_greedy, tokens_until_eos)
 
 from lit_spec.decoding import DECODERS, generate
-from lit_spec.decoding.lookahead import LookaheadLayout, NGramPool
+from lit_spec.decoding.lookahead import LookaheadLayout
+from lit_spec.decoding.phrases import PhrasePool
 from lit_spec.decoding.masks import from_parents
 from lit_spec.decoding.state import DecodeState
 from lit_spec.errors import ConfigError
@@ -117,7 +118,7 @@ def test_one_forward_gives_every_branch_its_own_context(models, arch):
 
 
 def test_ngram_pool():
-    pool = NGramPool(per_key=2)
+    pool = PhrasePool(capacity=2)
     for ngram in [(1, 2, 3), (1, 4, 5), (1, 2, 3), (1, 6, 7), (2, 9, 9)]:
         pool.add(ngram)
     # (1, 2, 3) was refreshed, so (1, 4, 5) is the least recent and dropped; most recent first

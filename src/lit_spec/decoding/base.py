@@ -64,6 +64,10 @@ class Decoder(ABC):
     @abstractmethod
     def _decode(self, state: DecodeState) -> dict | None: ...
 
+    def reset(self) -> None:
+        """Forget what earlier ``generate`` calls left behind (a decoder that learns across prompts, like Ouroboros's
+        phrase pool, starts over); the bench calls it after warm-up so warm-up prompts teach nothing."""
+
 
 def new_tokens(sequences: torch.Tensor, prompt_len: int, eos: int | None) -> list[int]:
     """The tokens after the prompt of ``sequences``' first row, up to and including the first ``eos`` (padding after

@@ -140,6 +140,8 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     for name, runner in runners.items():  # warm-up: kernels, allocator, caches
         for ids in prompts[: cfg.bench.warmup_prompts]:
             _decode(runner, ids, max_new, eos)
+        if isinstance(runner, Decoder):
+            runner.reset()                    # what a decoder learns across prompts starts with the timed ones
 
     totals = {name: DecodeStats() for name in runners}
     outputs: dict[str, list[list[int]]] = {name: [] for name in runners}

@@ -9,12 +9,14 @@ always equals the cache of the tokens it holds, and the prompt is read once.
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Callable
 
 import torch
 
 from lit_spec.decoding import cache as kv
+from lit_spec.decoding.masks import attention_mask
 from lit_spec.decoding.stats import sync_device
 from lit_spec.errors import ConfigError
 
@@ -50,24 +52,44 @@ class DraftRunner:
         self.committed = 0             # ids[:committed] are known to be committed (never rolled back)
         self.forwards = 0              # draft model calls
         self.seconds = 0.0             # time inside them
+        self.dtype = next(model.parameters()).dtype
+        # transformers' causal LMs compute logits only where asked (``logits_to_keep``); others get sliced after
+        self.selects_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _forward(self, tokens: list[int]) -> torch.Tensor:
+    def feed(self, tokens: list[int], visible: torch.Tensor | None = None, depth: list[int] | None = None,
+             logits_at: list[int] | None = None) -> torch.Tensor:
+        """Feed ``tokens`` after the cached ones and return the draft's logits at the block offsets ``logits_at``
+        ([n, V]; default: the last token's, [V]). A plain causal block by default; ``visible`` [q, q] and
+        ``depth`` (positions after the cached ones) feed a tree (``keep_path`` then keeps one path of it)."""
         start, device = len(self.ids), self.device
         clock = time.perf_counter()
-        out = self.model(input_ids=torch.tensor([tokens], device=device),
-                         position_ids=torch.arange(start, start + len(tokens), device=device)[None],
-                         attention_mask=torch.ones(1, start + len(tokens), dtype=torch.long, device=device),
-                         past_key_values=self.cache, use_cache=True)
-        logits = out.logits[0, -1]
+        positions = torch.arange(start, start + len(tokens), device=device) if depth is None else \
+            start + torch.tensor(depth, device=device)
+        if visible is None:
+            mask = torch.ones(1, start + len(tokens), dtype=torch.long, device=device)
+        else:
+            mask = attention_mask(torch.ones(1, start, dtype=torch.bool, device=device), visible, self.dtype)
+        rows = torch.tensor(logits_at if logits_at is not None else [len(tokens) - 1], device=device)
+        out = self.model(input_ids=torch.tensor([tokens], device=device), position_ids=positions[None],
+                         attention_mask=mask, past_key_values=self.cache, use_cache=True,
+                         **({"logits_to_keep": rows} if self.selects_logits else {}))
+        logits = out.logits[0] if self.selects_logits else out.logits[0, rows]
         sync_device(device)
         self.seconds += time.perf_counter() - clock
         self.ids.extend(tokens)
         self.forwards += 1
-        return logits
+        return logits if logits_at is not None else logits[-1]
+
+    def keep_path(self, q: int, keep: list[int]) -> None:
+        """After feeding a tree of ``q`` tokens, keep only the block offsets ``keep`` (increasing; a root-to-node
+        path), moved to follow the cached tokens (``cache.keep_positions``)."""
+        start = len(self.ids) - q
+        kv.keep_positions(self.cache, start, keep)
+        self.ids[start:] = [self.ids[start + k] for k in keep]
 
     def sync(self, sequence: list[int]) -> int:
         """Roll the cache back to the longest prefix of ``sequence`` it holds (leaving at least one token to feed)."""
@@ -91,11 +113,11 @@ class DraftRunner:
         if n < 1:
             return [], torch.empty(0, vocab_size(self.model), device=self.device)
         start = self.sync(sequence)
-        logits = self._forward(sequence[start:])
+        logits = self.feed(sequence[start:])
         tokens, scores = [], [logits]
         for i in range(n):
             tokens.append(int(choose(logits)))
             if i < n - 1:
-                logits = self._forward(tokens[-1:])
+                logits = self.feed(tokens[-1:])
                 scores.append(logits)
         return tokens, torch.stack(scores)

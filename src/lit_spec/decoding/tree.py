@@ -160,14 +160,14 @@ def verify_tree(state: DecodeState, spec: TreeSpec, tree_tokens: torch.Tensor,
     device = state.pending.device
     block = torch.cat([state.pending[:1], tree_tokens.to(device)])[None]
     logits = state.forward(block, spec.block_visible.to(device), spec.block_depths.to(device))[0]
-    return commit_tree(state, spec, block[0].tolist(), logits, block.size(1), typical)
+    return commit_tree(state, spec.block_parents, spec.depth, block[0].tolist(), logits, block.size(1), typical)
 
 
-def commit_tree(state: DecodeState, spec: TreeSpec, tokens: list[int], logits: torch.Tensor, fed: int,
-                typical: TypicalAcceptance | None = None) -> TreeStep:
-    """Acceptance over a verified tree: ``tokens`` [pending + nodes] and their ``logits`` from the forward that fed
-    ``fed`` tokens (the tree first; anything after it is dropped from the cache with the rejected nodes)."""
-    parents = spec.block_parents
+def commit_tree(state: DecodeState, parents: list[int], drafted: int, tokens: list[int], logits: torch.Tensor,
+                fed: int, typical: TypicalAcceptance | None = None) -> TreeStep:
+    """Acceptance over a verified tree: ``tokens`` [pending + nodes] with their ``parents`` in the block (the pending
+    token the root) and their ``logits`` from the forward that fed ``fed`` tokens (the tree first; anything after it
+    is dropped from the cache with the rejected nodes). ``drafted``: the tree's depth, for the counters."""
     if typical is None:
         target = logits[: len(tokens)].argmax(-1).tolist()
         path = tree_accept_path(parents, greedy_tree_accepts(parents, tokens, target))
@@ -178,7 +178,7 @@ def commit_tree(state: DecodeState, spec: TreeSpec, tokens: list[int], logits: t
         extra = typical.sample(probs[path[-1] if path else 0])
     committed = [tokens[i] for i in path] + [extra]
     state.keep_path(fed, [0] + path)
-    state.commit([committed], advance=[len(path) + 1], drafted=[spec.depth])
+    state.commit([committed], advance=[len(path) + 1], drafted=[drafted])
     return TreeStep(committed, [i - 1 for i in path], logits)
 
 
