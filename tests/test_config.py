@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra._internal.utils import _locate
+from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import UnsupportedInterpolationType
@@ -17,7 +18,8 @@ from lit_spec.config import compose_config, config_dir
 
 CONF = config_dir()
 # groups whose option is chosen on the command line as group=option (experiment is appended: +experiment=name)
-# groups of another entry config than train.yaml (decoding belongs to bench.yaml; chosen as a list)
+# groups of another entry config than train.yaml (decoding belongs to bench.yaml; chosen as a list); an experiment
+# that overrides one of them is composed with that entry config (_entry_config)
 PRIMARY = {"decoding": "bench"}
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in {"hydra", "experiment"})
 # configs that deliberately leave a value to the user (model=hf: name_or_path; decoding=chimera/medusa/
@@ -31,6 +33,18 @@ LOCATORS = {"hydra.utils.get_method", "hydra.utils.get_class", "hydra.utils.get_
 
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml") if not p.name.startswith("_"))
+
+
+def _entry_config(experiment: str) -> str:
+    """The entry config an experiment is composed with: the one owning a group its defaults list overrides (an
+    experiment that overrides /decoding is a benchmark, ``python -m lit_spec.bench +experiment=...``), else train."""
+    defaults = OmegaConf.load(CONF / "experiment" / f"{experiment}.yaml").get("defaults") or []
+    for entry in defaults:
+        key = next(iter(entry)) if isinstance(entry, DictConfig) else str(entry)  # "override /decoding", "/model@x"
+        group = key.split()[-1].lstrip("/").split("@")[0]
+        if group in PRIMARY:
+            return PRIMARY[group]
+    return "train"
 
 
 def _cases() -> list:
@@ -104,7 +118,7 @@ def test_every_group_option_is_covered():
 @pytest.mark.parametrize("override, choice", _cases())
 def test_option_composes_resolves_and_targets_import(override, choice, tmp_path):
     group, option = choice
-    cfg = _composed(override, tmp_path, PRIMARY.get(group, "train"))
+    cfg = _composed(override, tmp_path, _entry_config(option) if group == "experiment" else PRIMARY.get(group, "train"))
 
     missing, failures = _resolve_all(cfg)
     assert not failures, "\n".join(failures)
@@ -136,7 +150,7 @@ def test_option_composes_resolves_and_targets_import(override, choice, tmp_path)
 @pytest.mark.parametrize("option", _options("experiment"))
 def test_experiment_values_win(option, tmp_path):
     """An experiment is '# @package _global_' and is applied last: every value it sets is what the run sees."""
-    cfg = _composed(f"+experiment={option}", tmp_path)
+    cfg = _composed(f"+experiment={option}", tmp_path, _entry_config(option))
     assert "experiment" not in cfg, "missing '# @package _global_': the experiment landed under cfg.experiment"
 
     raw = OmegaConf.to_container(OmegaConf.load(CONF / "experiment" / f"{option}.yaml"), resolve=False)
@@ -158,6 +172,17 @@ def test_experiment_values_win(option, tmp_path):
         if node != value:
             wrong.append(f"{key}: experiment says {value!r}, composed {node!r}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_experiments_are_composed_with_their_entry_config():
+    """The rule above is not vacuous: both kinds of experiment exist, and a bench experiment does not compose with
+    train.yaml (which has neither the draft nor /decoding to override)."""
+    kinds = {o: _entry_config(o) for o in _options("experiment")}
+    assert kinds["ouroboros_gsm8k"] == "bench" and kinds["cllm_gsm8k"] == kinds["tiny_target"] == "train"
+    assert {o for o, k in kinds.items() if k == "bench"} >= {f"ouroboros_{t}" for t in
+                                                            ("gsm8k", "humaneval", "mbpp", "cnndm", "wmt16")}
+    with pytest.raises(ConfigCompositionException, match="Could not override"):
+        compose_config(["+experiment=ouroboros_gsm8k"], config_name="train")
 
 
 def test_hydra_run_and_sweep_dirs():

@@ -246,6 +246,24 @@ def sharegpt_rows(n=20):
     return rows + dropped
 
 
+def mbpp_rows(n=20):
+    return [{"task_id": 600 + i, "text": f"Write a function to add {i} to a number.",
+             "code": f"def add_{i}(x):\r\n  return x + {i}", "test_setup_code": "",
+             "test_list": [f"assert add_{i}(1) == {i + 1}", f"assert add_{i}(-{i}) == 0", f"assert add_{i}(0) == {i}"]}
+            for i in range(n)]
+
+
+def cnn_dailymail_rows(n=20):
+    return [{"id": f"{i:040x}", "article": f"(CNN) -- The new bridge over the river opened in Town {i} on Monday, "
+                                          f"after {i + 2} years of work.\n\nThe mayor said: \"It was worth it.\"",
+             "highlights": f"A bridge opens in Town {i}\nIt took {i + 2} years to build"} for i in range(n)]
+
+
+def wmt16_rows(n=20):
+    return [{"translation": {"de": f"Die Brücke über den Fluss {i} ist fertig.",
+                             "en": f"The bridge over river {i} is finished."}} for i in range(n)]
+
+
 def spider_expected(r):
     return (f"Translate the question into SQL for the database `{r['db_id']}`.\nQuestion: {r['question']}\nSQL: ",
             r["query"])
@@ -266,11 +284,32 @@ def sharegpt_expected(r):
     return f"{VICUNA_SYSTEM} USER: {turns[0]['value']} ASSISTANT:", turns[1]["value"]
 
 
+def mbpp_expected(r):
+    tests = "\n".join(r["test_list"])
+    return (f"You are an expert Python programmer, and here is your task: {r['text']} Your code should pass these "
+            f"tests:\n\n{tests}\n", r["code"])
+
+
+def cnn_dailymail_expected(r):
+    return (f"Summarize the following document in one sentence and output nothing else.\nDocument: {r['article']}\n"
+            "Summary:", r["highlights"])
+
+
+def wmt16_expected(r):
+    pair = r["translation"]
+    return (f"Translate this German sentence to English and output nothing else.\nGerman: {pair['de']}\nEnglish:",
+            pair["en"])
+
+
 DATASETS = {  # config name: (rows, expected (prompt, answer) text of a row or None if dropped, chat)
     "spider": (spider_rows, spider_expected, False),
     "gsm8k": (gsm8k_rows, gsm8k_expected, False),
     "code_search_net": (csn_rows, csn_expected, False),
     "sharegpt": (sharegpt_rows, sharegpt_expected, True),
+    # the Ouroboros paper's tasks (HumanEval, evaluation-only, is tested in test_task_data.py)
+    "mbpp": (mbpp_rows, mbpp_expected, False),                       # test_list joined into the prompt
+    "cnn_dailymail": (cnn_dailymail_rows, cnn_dailymail_expected, False),
+    "wmt16": (wmt16_rows, wmt16_expected, False),                     # nested {translation[de]} / {translation[en]}
 }
 
 
@@ -436,7 +475,7 @@ def test_unsupported_or_mixed_file_kinds(tok, tmp_path):
 
 
 @pytest.mark.parametrize("name, drop", [("spider", "db_id"), ("gsm8k", "answer"),
-                                        ("code_search_net", "func_code_string")])
+                                        ("code_search_net", "func_code_string"), ("cnn_dailymail", "highlights")])
 def test_file_missing_a_template_column(tok, tmp_path, name, drop):
     make_rows, _, _ = DATASETS[name]
     rows = [{k: v for k, v in r.items() if k != drop} for r in make_rows()]

@@ -145,7 +145,7 @@ def test_gsm8k_answer():
 def test_exact_match_and_registry():
     assert exact_match("  SELECT *\n FROM t ", "SELECT * FROM t") == 1.0
     assert exact_match("SELECT * FROM t", "select * from t") == 0.0
-    assert set(METRICS) == {"gsm8k_answer", "exact_match", "token_f1"}
+    assert set(METRICS) == {"gsm8k_answer", "exact_match", "token_f1", "rouge1"}
 
 
 def test_token_f1():

@@ -38,13 +38,19 @@ class PromptDataModule(L.LightningDataModule):
     labels; ``prompt_ids``/``answer_ids`` stay available per record for methods and callbacks that decode
     (``eval_records``). ``metric`` names the task metric (``lit_spec.data.metrics``) that such callbacks score
     decoded answers with, or is None.
+
+    ``eval_shuffle_seed``: shuffle the validation/test records with this seed before ``max_eval_samples`` (and the
+    bench's ``num_prompts``) take the first ones, i.e. a seeded random sample (the Ouroboros paper samples 100
+    prompts of GSM8K, CNN/DM and WMT16); None keeps the dataset's order. An evaluation-only source (one with an
+    ``eval_split``, e.g. HumanEval) has no train split: ``setup("fit")`` refuses it.
     """
 
     def __init__(self, source, template: PromptTemplate, tokenizer=None, path: str | None = None,
                  batch_size: int = 8,
                  eval_batch_size: int | None = None, max_prompt_tokens: int = 512, max_answer_tokens: int = 512,
                  max_train_samples: int | None = None, max_eval_samples: int | None = None,
-                 num_workers: int = 0, shuffle_seed: int = 0, metric: str | None = None):
+                 num_workers: int = 0, shuffle_seed: int = 0, metric: str | None = None,
+                 eval_shuffle_seed: int | None = None):
         super().__init__()
         if metric is not None:
             get_metric(metric)  # an unknown name fails here, before any work
@@ -56,8 +62,10 @@ class PromptDataModule(L.LightningDataModule):
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.max_prompt_tokens, self.max_answer_tokens = max_prompt_tokens, max_answer_tokens
         self.max_train_samples, self.max_eval_samples = max_train_samples, max_eval_samples
-        self.num_workers, self.shuffle_seed = num_workers, shuffle_seed
+        self.num_workers, self.shuffle_seed, self.eval_shuffle_seed = num_workers, shuffle_seed, eval_shuffle_seed
         self.metric = metric
+        # the one split an evaluation-only source fills (None: a training source, whose train split must not be empty)
+        self.eval_split: str | None = getattr(source, "eval_split", None)
         self.splits: datasets.DatasetDict | None = None
 
     # ---- building -------------------------------------------------------------------------------------------
@@ -72,20 +80,27 @@ class PromptDataModule(L.LightningDataModule):
         return {"prompt_ids": prompt_ids, "answer_ids": answer_ids}
 
     def setup(self, stage: str | None = None) -> None:
+        if stage == "fit" and self.eval_split is not None:
+            raise DataError(f"{self.source.describe()}: evaluation-only data (data.source.eval_split="
+                            f"{self.eval_split}) has no train split to train on; benchmark it with python -m "
+                            "lit_spec.bench, or train on a dataset with a train split")
         if self.splits is not None:
             return
         if self.tokenizer is None:
             raise DataError("PromptDataModule needs a tokenizer (the training pipeline passes the model's)")
         raw = self.source.load()
         name = self.source.describe()
-        if len(raw["train"]) == 0:
-            raise DataError(f"{name}: the train split is empty; check data.path / data.source")
+        required = self.eval_split or "train"
+        if len(raw[required]) == 0:
+            raise DataError(f"{name}: the {required} split is empty; check data.path / data.source")
         for split, ds in raw.items():
             if len(ds):
                 self.template.check_columns(ds.column_names, f"{name} [{split}]")
         limits = {"train": self.max_train_samples, "validation": self.max_eval_samples, "test": self.max_eval_samples}
         out = {}
         for split, ds in raw.items():
+            if split != "train" and self.eval_shuffle_seed is not None and len(ds):
+                ds = ds.shuffle(seed=self.eval_shuffle_seed)
             if limits[split] is not None:
                 ds = ds.select(range(min(limits[split], len(ds))))
             if len(ds) == 0:
@@ -98,8 +113,8 @@ class PromptDataModule(L.LightningDataModule):
                 log.info("%s: dropped %d of %d records whose prompt exceeds data.max_prompt_tokens=%d",
                          split, before - len(ds), before, self.max_prompt_tokens)
             out[split] = ds
-        if len(out["train"]) == 0:
-            raise DataError(f"{name}: no train record fits data.max_prompt_tokens={self.max_prompt_tokens}")
+        if len(out[required]) == 0:
+            raise DataError(f"{name}: no {required} record fits data.max_prompt_tokens={self.max_prompt_tokens}")
         self.splits = datasets.DatasetDict(out)
 
     def eval_records(self, split: str, n: int) -> list[dict]:

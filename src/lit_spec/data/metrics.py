@@ -15,6 +15,7 @@ from lit_spec.errors import ConfigError
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 FINAL = re.compile(r"####\s*(" + NUMBER.pattern + ")")
 WORD = re.compile(r"\w+|[^\w\s]")
+ROUGE_TOKEN = re.compile(r"[a-z0-9]+")
 
 
 def _number(text: str) -> float | None:
@@ -41,6 +42,10 @@ def token_f1(prediction: str, reference: str) -> float:
     pred, ref = Counter(WORD.findall(prediction)), Counter(WORD.findall(reference))
     if not pred or not ref:
         return float(pred == ref)
+    return _f1(pred, ref)
+
+
+def _f1(pred: Counter, ref: Counter) -> float:
     overlap = sum((pred & ref).values())
     if not overlap:
         return 0.0
@@ -48,8 +53,15 @@ def token_f1(prediction: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def rouge1(prediction: str, reference: str) -> float:
+    """ROUGE-1 F-measure (the Ouroboros paper's CNN/DM score, Table 8) as Google's ``rouge_score`` computes it without
+    stemming: unigrams of the lower-cased text's ``[a-z0-9]+`` runs, F1 of the multisets' overlap; 0.0 when either
+    text has none. The mean over answers is the usual corpus figure (``rouge_score``'s aggregator bootstraps it)."""
+    return _f1(Counter(ROUGE_TOKEN.findall(prediction.lower())), Counter(ROUGE_TOKEN.findall(reference.lower())))
+
+
 METRICS: dict[str, Callable[[str, str], float]] = {"gsm8k_answer": gsm8k_answer, "exact_match": exact_match,
-                                                    "token_f1": token_f1}
+                                                    "token_f1": token_f1, "rouge1": rouge1}
 
 
 def get_metric(name: str) -> Callable[[str, str], float]:

@@ -1,7 +1,9 @@
 """Where prompt/answer records come from: the Hugging Face Hub, a local file, or the offline stdlib corpus.
 
 Every source returns a ``datasets.DatasetDict`` with the splits ``train``, ``validation`` and ``test``. Splits a
-dataset lacks are carved out of its train split with a fixed seed.
+dataset lacks are carved out of its train split with a fixed seed. An evaluation-only source
+(``HFSource(eval_split=...)``: HumanEval, which has nothing but ``test``, or a benchmark that needs one split) keeps
+that one split and leaves the others empty.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def _complete_splits(dd: datasets.DatasetDict, val_fraction: float, test_fractio
                      seed: int) -> datasets.DatasetDict:
     """Fill in missing validation/test splits from train, deterministically."""
     if "train" not in dd:
-        raise DataError(f"dataset has no 'train' split (it has {sorted(dd)}); map one with data.source.splits")
+        raise DataError(f"dataset has no 'train' split (it has {sorted(dd)}); map one with data.source.splits, "
+                        "or set data.source.eval_split=test (or validation) for evaluation-only data")
     out = dict(dd)
     for name, fraction in (("test", test_fraction), ("validation", val_fraction)):
         if name in out or fraction <= 0 or len(out["train"]) == 0:  # an empty dataset is reported by the caller
@@ -38,6 +41,14 @@ def _complete_splits(dd: datasets.DatasetDict, val_fraction: float, test_fractio
     for name in SPLITS:
         out.setdefault(name, out["train"].select([]))
     return datasets.DatasetDict({k: out[k] for k in SPLITS})
+
+
+def _only_split(dd: datasets.DatasetDict, split: str) -> datasets.DatasetDict:
+    """An evaluation-only dataset: ``split`` as it is, every other split empty, nothing carved out."""
+    if split not in dd:
+        raise DataError(f"dataset has no '{split}' split (it has {sorted(dd)}); set data.source.eval_split to a "
+                        "validation or test split it has, or map one with data.source.splits")
+    return datasets.DatasetDict({k: dd[split] if k == split else dd[split].select([]) for k in SPLITS})
 
 
 def _has_no_records(path: Path) -> bool:
@@ -64,19 +75,26 @@ class HFSource:
         splits: map of our split names to the dataset's own (e.g. ``{validation: dev}``).
         record_fn: optional importable function applied to every record (e.g. ShareGPT's first turn).
         val_fraction/test_fraction: share of train carved out for splits the dataset lacks.
+        eval_split: evaluation only (``validation`` or ``test``): only this split is kept, nothing is carved out and
+            train stays empty; a local file not named after a split becomes this split. For datasets without a train
+            split (HumanEval) and for benchmarks, which then neither need nor tokenize the train split (4.5M pairs for
+            WMT16 de-en). ``PromptDataModule`` refuses to train on such data.
     """
 
     def __init__(self, hub_id: str | None = None, subset: str | None = None, path: str | None = None,
                  splits: Mapping[str, str] | None = None, record_fn: Callable[[dict], dict | None] | None = None,
                  val_fraction: float = 0.05, test_fraction: float = 0.0, seed: int = 0,
-                 data_files: Mapping[str, str] | None = None):
+                 data_files: Mapping[str, str] | None = None, eval_split: str | None = None):
         if not hub_id and not path:
             raise ConfigError("data.source needs a hub id (data.source.hub_id=...) or a local file (data.path=...)")
+        if eval_split not in (None, "validation", "test"):
+            raise ConfigError(f"data.source.eval_split={eval_split!r}: choose validation or test (or null to train)")
         self.hub_id, self.subset, self.path = hub_id, subset, path
         self.splits = dict(splits or {})
         self.record_fn = record_fn
         self.val_fraction, self.test_fraction, self.seed = val_fraction, test_fraction, seed
         self.data_files = dict(data_files) if data_files else None
+        self.eval_split = eval_split
 
     def describe(self) -> str:
         return f"local file {self.path}" if self.path else f"hub dataset {self.hub_id}"
@@ -95,9 +113,12 @@ class HFSource:
         empty = [str(p) for p in files if _has_no_records(p)]
         if empty:
             raise DataError(f"data.path={self.path}: empty dataset, no records in {', '.join(empty)}")
+        # files named after a split (train.jsonl, test.parquet) become that split; others the train split, or the
+        # evaluation split of an evaluation-only source (under the dataset's own name for it: data.source.splits)
+        other = self.splits.get(self.eval_split, self.eval_split) if self.eval_split else "train"
         by_split: dict[str, list[str]] = {}
-        for p in files:  # files named after a split (train.jsonl, test.parquet) become that split
-            split = next((s for s in (*SPLITS, "dev", "val") if p.stem.lower().startswith(s)), "train")
+        for p in files:
+            split = next((s for s in (*SPLITS, "dev", "val") if p.stem.lower().startswith(s)), other)
             split = {"dev": "validation", "val": "validation"}.get(split, split)
             by_split.setdefault(split, []).append(str(p))
         try:
@@ -123,9 +144,13 @@ class HFSource:
             dd = datasets.DatasetDict({"train": dd})
         dd = datasets.DatasetDict({ours: dd[theirs] for ours, theirs in self.splits.items() if theirs in dd}
                                   | {k: v for k, v in dd.items() if k in SPLITS and k not in self.splits})
+        if self.eval_split:  # before record_fn: the splits left out are never processed
+            dd = _only_split(dd, self.eval_split)
         if self.record_fn is not None:
             fn = self.record_fn
             dd = dd.filter(lambda r: fn(r) is not None).map(fn)
+        if self.eval_split:
+            return dd
         return _complete_splits(dd, self.val_fraction, self.test_fraction, self.seed)
 
 
@@ -158,3 +183,13 @@ def sharegpt_first_turn(record: dict) -> dict | None:
     if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
         return None
     return {"prompt": turns[0]["value"], "answer": turns[1]["value"]}
+
+
+def mbpp_tests(record: dict) -> dict:
+    """MBPP: its test cases (``test_list``, a list of asserts) as one ``tests`` text, one assert a line, for prompts
+    that show them (the Ouroboros paper predicts the whole function from the task text and its test cases, §4.1)."""
+    tests = record.get("test_list")
+    if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests):
+        raise DataError(f"MBPP record {record.get('task_id')!r}: 'test_list' should be a list of assert statements, "
+                        f"got {type(tests).__name__}")
+    return {"tests": "\n".join(tests)}

@@ -17,8 +17,32 @@ def _fields(fmt: str) -> set[str]:
     return names
 
 
+class _NoNulls(string.Formatter):
+    """``str.format`` that refuses null fields: a column (or a key inside one) that a record lacks comes out of
+    ``datasets`` as None, which plain ``format`` would render as the text 'None'."""
+
+    def get_field(self, field_name, args, kwargs):
+        value, used = super().get_field(field_name, args, kwargs)
+        if value is None:
+            raise KeyError(f"{field_name} is null")
+        return value, used
+
+
+def _format(fmt: str, record: Mapping, which: str) -> str:
+    """``fmt.format(**record)``; a field inside a column (``{translation[de]}``: a dict's key, a list's index) that a
+    record lacks, or a null one, is a DataError that names it, not a bare KeyError from deep inside ``datasets.map``."""
+    try:
+        return _NoNulls().vformat(fmt, (), record)
+    except (KeyError, IndexError, AttributeError, TypeError) as e:
+        raise DataError(f"data.template.{which} {fmt!r} reads a field this record lacks ({type(e).__name__}: {e}); "
+                        f"the record has {sorted(record)}") from e
+
+
 class PromptTemplate:
     """Format strings over a record's columns.
+
+    Fields are ``str.format`` fields, so they can reach inside a column: ``{translation[de]}`` (a dict's key, e.g.
+    WMT's ``translation`` column), ``{conversations[0][value]}`` (a list's index, then a key).
 
     Args:
         prompt: format string of the prompt, e.g. ``"Question: {question}\\nAnswer: "``.
@@ -41,7 +65,7 @@ class PromptTemplate:
                             f"(it has {sorted(column_names)}); set data.template.prompt/answer to its columns")
 
     def render(self, record: Mapping) -> tuple[str, str]:
-        return self.prompt.format(**record), self.answer.format(**record)
+        return _format(self.prompt, record, "prompt"), _format(self.answer, record, "answer")
 
     def prompt_ids(self, tokenizer, prompt: str) -> list[int]:
         if not self.chat:
