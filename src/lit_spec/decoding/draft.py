@@ -9,7 +9,6 @@ always equals the cache of the tokens it holds, and the prompt is read once.
 
 from __future__ import annotations
 
-import inspect
 import time
 from typing import Callable
 
@@ -17,6 +16,7 @@ import torch
 
 from lit_spec.decoding import cache as kv
 from lit_spec.decoding.masks import attention_mask
+from lit_spec.decoding.state import selects_logits
 from lit_spec.decoding.stats import sync_device
 from lit_spec.errors import ConfigError
 
@@ -53,8 +53,7 @@ class DraftRunner:
         self.forwards = 0              # draft model calls
         self.seconds = 0.0             # time inside them
         self.dtype = next(model.parameters()).dtype
-        # transformers' causal LMs compute logits only where asked (``logits_to_keep``); others get sliced after
-        self.selects_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.selects_logits = selects_logits(model)
 
     @property
     def device(self) -> torch.device:

@@ -30,6 +30,11 @@ def eos_ids(eos_token_id: int | list[int] | None) -> set[int]:
     return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
 
 
+def selects_logits(model) -> bool:
+    """transformers' causal LMs compute logits only where asked (``logits_to_keep``); others get sliced after."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 class DecodeState:
     def __init__(self, model, input_ids: torch.Tensor, attention_mask_2d: torch.Tensor | None,
                  max_new_tokens: int, eos_token_id: int | list[int] | None, record_hidden: bool = False):
@@ -59,8 +64,7 @@ class DecodeState:
         self.record_hidden = record_hidden
         self.hidden: torch.Tensor | None = None            # [B, positions, d] (``record_hidden``)
         self.dtype = next(model.parameters()).dtype
-        # transformers' causal LMs compute logits only where asked (``logits_to_keep``); others get sliced after
-        self.model_selects_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.model_selects_logits = selects_logits(model)
 
     # ---- forwards -------------------------------------------------------------------------------------------
     @torch.no_grad()

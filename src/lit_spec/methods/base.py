@@ -29,6 +29,8 @@ class MethodModule(L.LightningModule):
     #: data configs that build it
     datamodule_class: type = PromptDataModule
     data_configs: str = "a prompt dataset: data=stdlib_code, gsm8k, spider, code_search_net, sharegpt"
+    #: the attribute holding the model ``export`` writes (``model``; a distilled draft: ``student``)
+    exported: str = "model"
 
     def __init__(self, model_spec, lr: float = 2e-5, weight_decay: float = 0.0, betas: tuple = (0.9, 0.999),
                  warmup_steps: int = 0, scheduler: str = "cosine", min_lr_ratio: float = 0.1, **method_hparams):
@@ -53,14 +55,16 @@ class MethodModule(L.LightningModule):
         return build_optimizer(self, self.hparams)
 
     def export(self, directory, state_dict: dict | None = None) -> None:
-        """Write the model and tokenizer with ``save_pretrained`` (safetensors); plain transformers loads them.
+        """Write the trained model (the attribute ``exported`` names, built by ``<exported>_spec``) and the target's
+        tokenizer with ``save_pretrained`` (safetensors); plain transformers loads them.
 
-        ``state_dict`` is this module's consolidated state (keys ``model.*``) when the live weights are sharded.
+        ``state_dict`` is this module's consolidated state (keys ``<exported>.*``) when the live weights are sharded.
         """
-        model = self.model
+        name = self.exported
+        model = getattr(self, name)
         if state_dict is not None:
-            model = self.model_spec.load_model()
-            model.load_state_dict({k.removeprefix("model."): v for k, v in state_dict.items()
-                                   if k.startswith("model.")})
+            model = getattr(self, f"{name}_spec").load_model()
+            model.load_state_dict({k.removeprefix(f"{name}."): v for k, v in state_dict.items()
+                                   if k.startswith(f"{name}.")})
         model.save_pretrained(directory, safe_serialization=True)
         self.model_spec.load_tokenizer().save_pretrained(directory)

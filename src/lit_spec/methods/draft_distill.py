@@ -92,6 +92,8 @@ class DraftDistillModule(MethodModule):
         gamma: draft tokens per step of the speculative decoder that ``decoders()`` offers.
     """
 
+    exported = "student"     # ``export`` writes the student (keys ``student.*`` when consolidated) + the tokenizer
+
     def __init__(self, model_spec, student=None, objective: str = "kl", distance: str = "forward_kl",
                  jsd_beta: float = 0.5, kl_weight: float | None = None, ce_weight: float | None = None,
                  max_new_tokens: int = 128, gamma: int = 4, **kwargs):
@@ -144,7 +146,7 @@ class DraftDistillModule(MethodModule):
     def decoders(self) -> dict:
         return {"speculative": SpeculativeDecoder(self.model, draft_model=self.student, gamma=self.hparams.gamma)}
 
-    # ---- checkpoints and export -----------------------------------------------------------------------------
+    # ---- checkpoints -----------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """The frozen teacher is rebuilt from ``hparams.model_spec``: checkpoints hold the student only."""
         if "state_dict" in checkpoint:
@@ -161,18 +163,6 @@ class DraftDistillModule(MethodModule):
             self.configure_model()
         for k, v in self.model.state_dict().items():
             state.setdefault(f"model.{k}", v)
-
-    def export(self, directory, state_dict: dict | None = None) -> None:
-        """The STUDENT with ``save_pretrained`` (safetensors) + the teacher's tokenizer (the ids it learnt); a plain
-        transformers model, usable as ``python -m lit_spec.bench``'s draft. ``state_dict``: this module's
-        consolidated state (ZeRO-3 / FSDP), keys ``student.*``."""
-        student = self.student
-        if state_dict is not None:
-            student = self.student_spec.load_model()
-            student.load_state_dict({k.removeprefix("student."): v for k, v in state_dict.items()
-                                     if k.startswith("student.")})
-        student.save_pretrained(directory, safe_serialization=True)
-        self.model_spec.load_tokenizer().save_pretrained(directory)
 
     # ---- the teacher's answers (objective=generated) --------------------------------------------------------
     def _eos(self):
