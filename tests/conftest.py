@@ -52,6 +52,14 @@ def micro_config(tmp_path):
     return build
 
 
+@pytest.fixture
+def private_datasets_cache(tmp_path_factory, monkeypatch):
+    """``datasets`` caches what it reads from local files: keep that out of the user's ~/.cache."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.getbasetemp() / "hf_datasets")
+
+
 # ---- decoding tests -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def one_thread():
@@ -70,6 +78,19 @@ def models():
     from random_models import ARCHS, random_model
 
     return {arch: random_model(arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def micro_dirs():
+    """Target and draft: two micro tiny models (same tokenizer, different seeds and sizes), built into the cache."""
+    from hydra.utils import instantiate
+
+    target = instantiate(compose_config(MICRO_MODEL).model, _convert_="all")
+    draft = instantiate(compose_config([*MICRO_MODEL, "model.seed=1", "model.num_hidden_layers=1"]).model,
+                        _convert_="all")
+    for spec in (target, draft):
+        spec.prepare()
+    return target.name_or_path, draft.name_or_path
 
 
 # ---- method modules without a trainer ------------------------------------------------------------------------------

@@ -6,24 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from hydra.utils import instantiate
 from omegaconf import open_dict
 
-from conftest import MICRO_MODEL
 from lit_spec.config import compose_config
 from lit_spec.decoding.benchmark import run_benchmark
 from lit_spec.errors import ConfigError
-
-
-@pytest.fixture(scope="module")
-def micro_dirs():
-    """Target and draft: two micro tiny models (same tokenizer, different seeds and sizes), built into the cache."""
-    target = instantiate(compose_config(MICRO_MODEL).model, _convert_="all")
-    draft = instantiate(compose_config([*MICRO_MODEL, "model.seed=1", "model.num_hidden_layers=1"]).model,
-                        _convert_="all")
-    for spec in (target, draft):
-        spec.prepare()
-    return target.name_or_path, draft.name_or_path
 
 
 def bench_config(tmp_path, target, draft, *overrides):

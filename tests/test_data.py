@@ -7,7 +7,6 @@ import json
 import time
 from pathlib import Path
 
-import datasets
 import pandas as pd
 import pytest
 from hydra.utils import instantiate
@@ -18,14 +17,10 @@ from lit_spec.data import stdlib_code
 from lit_spec.errors import ConfigError, DataError
 from lit_spec.models import train_bpe_tokenizer
 
+pytestmark = pytest.mark.usefixtures("private_datasets_cache")
+
 VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
                  "detailed, and polite answers to the user's questions.")
-
-
-@pytest.fixture(autouse=True)
-def private_datasets_cache(tmp_path_factory, monkeypatch):
-    """``datasets`` caches what it reads from local files: keep that out of the user's ~/.cache."""
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.getbasetemp() / "hf_datasets")
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,9 @@ and running on micro models."""
 
 from __future__ import annotations
 
-import datasets
 import pytest
-from hydra.utils import instantiate
 from omegaconf import open_dict
 
-from conftest import MICRO_MODEL
 from lit_spec.config import compose_config
 from lit_spec.data import HFSource
 from lit_spec.data.metrics import rouge1
@@ -19,16 +16,12 @@ from lit_spec.errors import ConfigError, DataError
 from lit_spec.models import train_bpe_tokenizer
 from test_data import build_datamodule, decoded, gsm8k_rows, mbpp_rows, setup_datamodule, wmt16_rows, write_rows
 
+pytestmark = pytest.mark.usefixtures("private_datasets_cache")
+
 # a tokenizer chat template of the [INST] kind (Llama-2-chat's shape): the experiments of chat models set chat=true
 INST_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
                  "' [/INST]' }}{% endif %}{% endfor %}")
 TASKS = ("gsm8k", "humaneval", "mbpp", "cnndm", "wmt16")
-
-
-@pytest.fixture(autouse=True)
-def private_datasets_cache(tmp_path_factory, monkeypatch):
-    """``datasets`` caches what it reads from local files: keep that out of the user's ~/.cache."""
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.getbasetemp() / "hf_datasets")
 
 
 @pytest.fixture(scope="module")
@@ -227,26 +220,15 @@ def test_experiment_prompts_from_a_local_file(tok, tmp_path, task, rows, chat):
         assert first in texts[0]
 
 
-@pytest.fixture(scope="module")
-def micro_pair():
-    """Target and draft: two micro tiny models sharing a tokenizer (as in test_bench.py), built into the cache."""
-    target = instantiate(compose_config(MICRO_MODEL).model, _convert_="all")
-    draft = instantiate(compose_config([*MICRO_MODEL, "model.seed=1", "model.num_hidden_layers=1"]).model,
-                        _convert_="all")
-    for spec in (target, draft):
-        spec.prepare()
-    return target.name_or_path, draft.name_or_path
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("task", ["gsm8k", "humaneval"])
-def test_experiment_runs_every_method_on_micro_models(micro_pair, tmp_path, task):
+def test_experiment_runs_every_method_on_micro_models(micro_dirs, tmp_path, task):
     """The experiment as the bench runs it, its models swapped for micro ones and its data for a local file, on CPU:
     every decoder accepts the experiment's Table 12 parameters and decodes our AR's tokens (greedy, lossless)."""
     rows = humaneval_rows(4) if task == "humaneval" else gsm8k_rows(4)
     path = write_rows(rows, tmp_path / f"{task}.jsonl")
-    overrides = [f"+experiment=ouroboros_{task}", f"model.name_or_path={micro_pair[0]}", "model.dtype=float32",
-                 f"draft.name_or_path={micro_pair[1]}", f"data.path={path}", "bench.device=cpu", "bench.num_prompts=2",
+    overrides = [f"+experiment=ouroboros_{task}", f"model.name_or_path={micro_dirs[0]}", "model.dtype=float32",
+                 f"draft.name_or_path={micro_dirs[1]}", f"data.path={path}", "bench.device=cpu", "bench.num_prompts=2",
                  "bench.max_new_tokens=16", "bench.warmup_prompts=0"]
     if task == "humaneval":
         overrides.append("data.template.chat=false")  # the micro tokenizer has no chat template
