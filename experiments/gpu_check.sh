@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# GPU checks of the training stack (run on a CUDA machine from the repository root):
-# the tiny AR run under every DeepSpeed ZeRO strategy and FSDP, bf16-mixed, one GPU, then the export is loaded back
-# with plain transformers. Prints one summary line per run; logs go to ${OUT:-logs/gpu_check}.
+# GPU checks (run on a CUDA machine from the repository root):
+# 1. the training stack: the tiny AR run under every DeepSpeed ZeRO strategy and FSDP, bf16-mixed, one GPU, then the
+#    export is loaded back with plain transformers;
+# 2. the decoding bench on the GPU: the tiny target (fp32 and bf16), and the ~1B bench (+experiment=bench_qwen2_5_1_5b)
+#    when its weights are in the local Hugging Face cache (the bench loads from the hub otherwise).
+# Prints one summary line per run; logs go to ${OUT:-logs/gpu_check}.
 set -u
 out=${OUT:-logs/gpu_check}
 mkdir -p "$out"
@@ -36,3 +39,13 @@ except Exception as e:  # report, don't hide
 print(line)
 PY
 done
+
+for dtype in float32 bfloat16; do
+  python -m lit_spec.bench bench.device=cuda model.dtype=$dtype hydra.run.dir=/tmp/gpu_check/bench_tiny_$dtype \
+    > "$out/bench_tiny_$dtype.log" 2>&1
+  echo "bench tiny target $dtype rc=$?" | tee -a "$out/summary.txt"
+  cat /tmp/gpu_check/bench_tiny_$dtype/bench.md >> "$out/summary.txt" 2>/dev/null
+done
+python -m lit_spec.bench +experiment=bench_qwen2_5_1_5b hydra.run.dir=/tmp/gpu_check/bench_qwen > "$out/bench_qwen.log" 2>&1
+echo "bench Qwen2.5-1.5B rc=$?" | tee -a "$out/summary.txt"
+cat /tmp/gpu_check/bench_qwen/bench.md >> "$out/summary.txt" 2>/dev/null

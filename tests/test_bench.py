@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from omegaconf import open_dict
 
 from lit_spec.config import compose_config
@@ -42,6 +43,22 @@ def test_bench_runs_every_runner_and_writes_its_report(micro_dirs, tmp_path):
     quality = results["quality"]
     assert set(quality) == {"repetitive", "mean_new_tokens"} and "greedy answers: repetitive" in table
     assert quality["mean_new_tokens"] == methods["ar"]["new_tokens"] / results["num_prompts"]
+
+
+def test_bench_runs_in_the_model_configs_dtype(micro_dirs, tmp_path, monkeypatch):
+    """``model.dtype`` sets the dtype of the bench (the draft follows it: ``draft.dtype: ${model.dtype}``)."""
+    import lit_spec.decoding.benchmark as benchmark
+
+    loaded = []
+    load = benchmark._load
+    monkeypatch.setattr(benchmark, "_load", lambda spec_cfg, device: loaded.append(load(spec_cfg, device)) or loaded[-1])
+    cfg = bench_config(tmp_path, *micro_dirs, "model.dtype=bfloat16", "bench.hf_peers=[generate]", "decoding=[jacobi]")
+    with open_dict(cfg):
+        cfg.draft.dtype = "${model.dtype}"
+    results = run_benchmark(cfg, tmp_path)
+    assert results["dtype"] == "bfloat16" and ", bfloat16, model" in (tmp_path / "bench.md").read_text()
+    assert [next(model.parameters()).dtype for _, model in loaded] == [torch.bfloat16, torch.bfloat16]
+    assert results["methods"]["hf_generate"]["exact_match"] == 1.0
 
 
 def test_bench_samples_every_runner_at_a_temperature(micro_dirs, tmp_path):

@@ -155,7 +155,8 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
                 bar.update()
 
     base = totals["ar"].tokens_per_s
-    results = {"model": spec.name_or_path, "device": str(device), "num_prompts": len(prompts),
+    results = {"model": spec.name_or_path, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
+               "num_prompts": len(prompts),
                "max_new_tokens": max_new, "temperature": cfg.bench.temperature, "methods": {}}
     for name, stats in totals.items():
         # sampled outputs differ by chance: token identity is a greedy (temperature 0) check only
@@ -209,7 +210,8 @@ def write_report(results: dict, out_dir: Path) -> None:
     write_json(out_dir / "bench.json", results)
     (out_dir / "bench.md").write_text(
         f"{results['num_prompts']} prompts, max_new_tokens={results['max_new_tokens']}, "
-        f"temperature={results['temperature']}, device {results['device']}, model `{results['model']}`\n\n"
+        f"temperature={results['temperature']}, device {results['device']}, {results['dtype']}, "
+        f"model `{results['model']}`\n\n"
         + markdown_table(results) + ("\nsampled AR answers: " if results["temperature"] else "\ngreedy answers: ")
         + ", ".join(f"{k} {v:.3f}" for k, v in results["quality"].items()) + "\n")
     import matplotlib
