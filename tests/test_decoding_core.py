@@ -192,8 +192,13 @@ def test_bad_input(models):
             generate(model, ids, "ar", max_new_tokens=bad, attention_mask=mask)
     with pytest.raises(ConfigError, match="unknown decoding method 'nope'"):
         generate(model, ids, "nope")
-    with pytest.raises(ConfigError, match="temperature"):
-        generate(model, ids, "ar", temperature=-0.5)
+    for method, extra in (("ar", {}), ("speculative", {"draft_model": model}), ("tree", {"draft_model": model})):
+        for bad, match in (({"temperature": -0.5}, "temperature=-0.5"), ({"temperature": "hot"}, "must be a number"),
+                           ({"temperature": 1.0, "top_p": 0.0}, "top_p=0.0"), ({"top_p": 1.5}, "top_p=1.5")):
+            if method == "tree" and "top_p" in bad:
+                continue                        # typical acceptance has no nucleus cut
+            with pytest.raises(ConfigError, match=match):
+                generate(model, ids, method, **extra, **bad)
 
 
 @pytest.mark.parametrize("method, params", [("ar", {}), ("jacobi", {"n_tokens": 5}),

@@ -31,6 +31,21 @@ def num_tokens(batch: dict) -> int:
     return int(batch["attention_mask"].sum())
 
 
+def collate_answers(pairs: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict:
+    """(prompt ids, answer ids) pairs -> a right-padded batch: ``input_ids`` (prompt then answer), ``attention_mask``,
+    and ``labels`` holding the answer tokens (``IGNORE_INDEX`` on the prompt and the padding)."""
+    width = max(len(p) + len(a) for p, a in pairs)
+    input_ids = torch.full((len(pairs), width), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(pairs), width), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(pairs), width), dtype=torch.long)
+    for i, (prompt, answer) in enumerate(pairs):
+        end = len(prompt) + len(answer)
+        input_ids[i, :end] = torch.tensor(prompt + answer, dtype=torch.long)
+        attention_mask[i, :end] = 1
+        labels[i, len(prompt): end] = torch.tensor(answer, dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
 class PromptDataModule(L.LightningDataModule):
     """Tokenizes ``template.render(record)`` into ``prompt_ids`` + ``answer_ids`` (+EOS) for every split.
 
@@ -129,17 +144,7 @@ class PromptDataModule(L.LightningDataModule):
 
     # ---- batches --------------------------------------------------------------------------------------------
     def collate(self, records: list[dict]) -> dict:
-        pad = self.tokenizer.pad_token_id
-        seqs = [r["prompt_ids"] + r["answer_ids"] for r in records]
-        width = max(len(s) for s in seqs)
-        input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-        labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
-        attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, (r, s) in enumerate(zip(records, seqs)):
-            input_ids[i, : len(s)] = torch.tensor(s)
-            attention_mask[i, : len(s)] = 1
-            labels[i, len(r["prompt_ids"]): len(s)] = torch.tensor(r["answer_ids"])
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        return collate_answers([(r["prompt_ids"], r["answer_ids"]) for r in records], self.tokenizer.pad_token_id)
 
     def _loader(self, split: str, sampler=None) -> DataLoader:
         return DataLoader(self.splits[split], batch_size=self.batch_size if sampler else self.eval_batch_size,

@@ -7,17 +7,14 @@ import torch
 
 from lit_spec.decoding.base import Decoder, register
 from lit_spec.decoding.state import DecodeState
-from lit_spec.decoding.verify import logits_to_probs
-from lit_spec.errors import ConfigError
+from lit_spec.decoding.verify import check_sampling, logits_to_probs
 
 
 @register("ar")
 class ARDecoder(Decoder):
     def __init__(self, model, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, **kwargs):
         super().__init__(model, **kwargs)
-        if temperature < 0:
-            raise ConfigError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
-        self.temperature, self.top_p = temperature, top_p
+        self.temperature, self.top_p = check_sampling(temperature, top_p)
         self.generator = None
         if seed is not None:
             self.generator = torch.Generator(device=model.device).manual_seed(seed)

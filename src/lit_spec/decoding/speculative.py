@@ -14,8 +14,8 @@ from lit_spec.decoding.base import Decoder, register
 from lit_spec.decoding.draft import DraftRunner, check_context, check_draft
 from lit_spec.decoding.masks import causal
 from lit_spec.decoding.state import DecodeState
-from lit_spec.decoding.verify import greedy_accept_length, logits_to_probs, speculative_accept
-from lit_spec.errors import ConfigError
+from lit_spec.decoding.verify import check_sampling, greedy_accept_length, logits_to_probs, speculative_accept
+from lit_spec.errors import ConfigError, check_count
 
 
 @register("speculative")
@@ -24,14 +24,8 @@ class SpeculativeDecoder(Decoder):
                  seed: int | None = None, **kwargs):
         super().__init__(model, **kwargs)
         check_draft(model, draft_model, "speculative")
-        if int(gamma) != gamma or gamma < 1:
-            raise ConfigError(f"gamma={gamma}: the number of draft tokens per step must be an integer >= 1")
-        if temperature < 0:
-            raise ConfigError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
-        if not 0 < top_p <= 1:
-            raise ConfigError(f"top_p={top_p}: must be in (0, 1]")
-        self.draft_model, self.gamma = draft_model, int(gamma)
-        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.draft_model, self.gamma = draft_model, check_count("gamma", gamma)
+        self.temperature, self.top_p = check_sampling(temperature, top_p)
         self.generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
 
     def pick(self, logits: torch.Tensor) -> int:

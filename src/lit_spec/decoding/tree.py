@@ -28,7 +28,7 @@ from lit_spec.decoding.base import Decoder, register
 from lit_spec.decoding.draft import DraftRunner, check_context, check_draft
 from lit_spec.decoding.masks import from_parents
 from lit_spec.decoding.state import DecodeState
-from lit_spec.decoding.verify import TypicalAcceptance, greedy_tree_accepts, tree_accept_path
+from lit_spec.decoding.verify import TypicalAcceptance, check_sampling, greedy_tree_accepts, tree_accept_path
 from lit_spec.errors import ConfigError
 
 Candidates = Callable[[DecodeState, int, int], torch.Tensor]
@@ -207,8 +207,7 @@ class TreeDecoder(Decoder):
                  temperature: float = 0.0, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
                  seed: int | None = None, **kwargs):
         super().__init__(model, **kwargs)
-        if temperature < 0:
-            raise ConfigError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
+        check_sampling(temperature)
         self.typical = None if temperature == 0 else TypicalAcceptance(
             temperature, posterior_threshold, posterior_alpha, seed, model.device)
         if candidates is None and self.needs_draft:

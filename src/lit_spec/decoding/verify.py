@@ -25,6 +25,18 @@ def greedy_accept_length(proposal: list[int], target_tokens: list[int]) -> int:
     return n
 
 
+def check_sampling(temperature, top_p=1.0) -> tuple[float, float]:
+    """``temperature`` >= 0 (0 = greedy) and ``top_p`` in (0, 1], or a ConfigError naming the bad one."""
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name}={value!r}: must be a number")
+    if temperature < 0:
+        raise ConfigError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"top_p={top_p}: must be in (0, 1]")
+    return float(temperature), float(top_p)
+
+
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """Softmax at ``temperature`` with optional nucleus (top-p) truncation, over the last dimension."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)

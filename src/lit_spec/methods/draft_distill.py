@@ -42,6 +42,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 from transformers import AutoConfig
 
 from lit_spec.data import IGNORE_INDEX
+from lit_spec.data.datamodule import collate_answers
 from lit_spec.decoding import generate
 from lit_spec.decoding.draft import check_draft
 from lit_spec.decoding.speculative import SpeculativeDecoder
@@ -198,24 +199,15 @@ class DraftDistillModule(MethodModule):
         out = generate(self.model, prompts, method="ar", max_new_tokens=self.hparams.max_new_tokens,
                        eos_token_id=None if self._weights_sharded() else eos, attention_mask=prompt_mask)
         stop = eos_ids(eos)
-        seqs, answers = [], []
+        pairs = []
         for r, n in enumerate(prompt_len):
             new = out.sequences[r, width:].tolist()
             for i, t in enumerate(new):
                 if t in stop:
                     new = new[: i + 1]
                     break
-            seqs.append(ids[r, :n].tolist() + new)
-            answers.append(len(new))
-        total = max(len(s) for s in seqs)
-        new_ids = ids.new_zeros(rows, total)
-        new_mask = mask.new_zeros(rows, total)
-        new_labels = torch.full_like(new_ids, IGNORE_INDEX)
-        for r, s in enumerate(seqs):
-            new_ids[r, : len(s)] = torch.tensor(s, device=ids.device)
-            new_mask[r, : len(s)] = 1
-            new_labels[r, len(s) - answers[r]: len(s)] = new_ids[r, len(s) - answers[r]: len(s)]
-        return {"input_ids": new_ids, "attention_mask": new_mask, "labels": new_labels}
+            pairs.append((ids[r, :n].tolist(), new))
+        return {k: v.to(ids.device) for k, v in collate_answers(pairs, pad_token_id=0).items()}
 
     # ---- losses ---------------------------------------------------------------------------------------------
     def terms(self, batch: dict, with_teacher: bool) -> dict[str, torch.Tensor]:
