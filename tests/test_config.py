@@ -257,3 +257,21 @@ def test_bench_default_composes_every_method_with_the_tiny_draft(tmp_path):
     assert cfg.model.stage == "tiny_target" and cfg.bench.num_prompts == 3
     missing, failures = _resolve_all(cfg)
     assert not missing and not failures, (missing, failures)
+
+
+def test_config_hash_ignores_null_options_and_sees_every_value():
+    """Stage and collection caches are keyed by ``config_hash``: an option added with a null default must not move
+    existing keys (no rebuild), while any real value, interpolation or nesting change must."""
+    from lit_spec.config import config_hash
+
+    def cfg(model=None, data=None):
+        return OmegaConf.create({"model": model or {"hidden": 64, "seed": 0},
+                                 "data": data or {"splits": ["train", "test"], "lr": "${x}"}})
+
+    base = cfg()
+    same = cfg({"hidden": 64, "seed": 0, "new_option": None}, {"splits": ["train", "test"], "lr": "${x}", "e": None})
+    assert config_hash(base) == config_hash(same) == config_hash(OmegaConf.to_container(same))
+    for other in (cfg({"hidden": 65, "seed": 0}), cfg({"hidden": 64, "seed": 0, "new_option": 0}),
+                  cfg({"hidden": 64}), cfg(data={"splits": ["test", "train"], "lr": "${x}"}),
+                  cfg(data={"splits": ["train", "test"], "lr": "${y}"})):
+        assert config_hash(other) != config_hash(base), other

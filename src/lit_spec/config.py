@@ -35,11 +35,21 @@ def compose_config(overrides: Sequence[str] = (), config_name: str = "train") ->
 
 
 def config_hash(obj, length: int = 10) -> str:
-    """A short, stable hash of a (Dict)Config or plain container; interpolations are hashed unresolved."""
+    """A short, stable hash of a (Dict)Config or plain container; interpolations are hashed unresolved. Keys whose
+    value is null are left out, so adding an option with a null default keeps the hashes of existing configs (and
+    the stage caches keyed by them)."""
     if isinstance(obj, DictConfig):
         obj = OmegaConf.to_container(obj, resolve=False)
-    blob = json.dumps(obj, sort_keys=True, default=str).encode()
+    blob = json.dumps(_without_nulls(obj), sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:length]
+
+
+def _without_nulls(obj):
+    if isinstance(obj, dict):
+        return {k: _without_nulls(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_without_nulls(v) for v in obj]
+    return obj
 
 
 def build(node: DictConfig, **kwargs):
