@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DataLoader
 from transformers import AutoConfig
 
-from lit_spec.config import build, compose_config, config_hash
+from lit_spec.config import build, cache_entry, compose_config, config_hash
 from lit_spec.data.trajectories import (META, augment_states, done_batches, read_meta, read_records, write_meta,
                                         write_part)
 from lit_spec.decoding.jacobi import INITS, JacobiDecoder
@@ -271,7 +271,7 @@ def trajectory_cache(overrides: list[str], cache_dir: str | Path) -> tuple[DictC
     hashed = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items()
               if k in ("model", "data", "collect", "seed")}
     hashed["collect"].pop("out_dir", None)
-    out = Path(cache_dir).expanduser() / f"trajectories-{config_hash(hashed)}"
+    out = cache_entry(cache_dir, f"trajectories-{config_hash(hashed)}")
     with open_dict(cfg):
         cfg.collect.out_dir = str(out)
         cfg.paths.output_dir = str(out)  # the trainer's default_root_dir (nothing is written there in predict)

@@ -14,7 +14,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lit_spec.errors import LitSpecError
+from lit_spec.errors import ConfigError, LitSpecError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -42,6 +42,15 @@ def config_hash(obj, length: int = 10) -> str:
         obj = OmegaConf.to_container(obj, resolve=False)
     blob = json.dumps(_without_nulls(obj), sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:length]
+
+
+def cache_entry(cache_dir, name: str) -> Path:
+    """``cache_dir/name`` (``~`` expanded); an empty ``cache_dir`` (e.g. ``LIT_SPEC_CACHE=""``) is an error rather
+    than a cache scattered over the working directory."""
+    if not str(cache_dir or "").strip():
+        raise ConfigError("paths.cache_dir is empty (is LIT_SPEC_CACHE set to an empty string?): unset it for "
+                          "~/.cache/lit_spec or give it a directory")
+    return Path(cache_dir).expanduser() / name
 
 
 def _without_nulls(obj):

@@ -15,7 +15,7 @@ from lit_spec.decoding.draft import DraftRunner, check_context, check_draft
 from lit_spec.decoding.masks import causal
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.verify import check_sampling, greedy_accept_length, logits_to_probs, speculative_accept
-from lit_spec.errors import ConfigError, check_count
+from lit_spec.errors import check_count
 
 
 @register("speculative")

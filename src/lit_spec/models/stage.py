@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from lit_spec.config import compose_config, config_hash
+from lit_spec.config import cache_entry, compose_config, config_hash
 from lit_spec.models.spec import HFModelSpec
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class StageModelSpec(HFModelSpec):
         super().__post_init__()
         self._cfg = compose_config([f"+experiment={self.stage}", f"paths.cache_dir={self.cache_dir}"])
         key = config_hash(OmegaConf.masked_copy(self._cfg, list(HASHED_GROUPS)))
-        self.name_or_path = str(Path(self.cache_dir).expanduser() / f"{self.stage}-{key}")
+        self.name_or_path = str(cache_entry(self.cache_dir, f"{self.stage}-{key}"))
 
     def prepare(self) -> None:
         out = Path(self.name_or_path)

@@ -14,7 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from lit_spec.config import config_hash
+from lit_spec.config import cache_entry, config_hash
 from lit_spec.io import atomic_dir
 from lit_spec.models.spec import HFModelSpec
 
@@ -69,7 +69,7 @@ class TinyModelSpec(HFModelSpec):
         arch = {k: v for k, v in asdict(self).items() if k not in {"name_or_path", "cache_dir", "dtype",
                                                                        "attn_implementation", "gradient_checkpointing",
                                                                        "trust_remote_code", "revision"}}
-        self.name_or_path = str(Path(self.cache_dir).expanduser() / f"tiny_base-{config_hash(arch)}")
+        self.name_or_path = str(cache_entry(self.cache_dir, f"tiny_base-{config_hash(arch)}"))
 
     def prepare(self) -> None:
         out = Path(self.name_or_path)
