@@ -101,6 +101,22 @@ def test_crop_and_keep_positions_match_direct_cache(models):
     assert state.past_valid.shape == (1, 9) and state.past_valid.all()
 
 
+@pytest.mark.parametrize("keep", [[0], [0, 1, 2], [0, 2, 3], [0, 7, 8, 9], [0, 1, 3, 4, 5], [0, 2, 5, 6, 9],
+                                  [1, 2, 3, 4], [3]])
+def test_keep_positions_moves_the_kept_entries_like_a_gather(keep):
+    """The slice copies (runs of consecutive offsets, overlapping ones included: [0, 1, 3, 4, 5] moves 3..5 onto
+    2..4) leave exactly what gathering the kept entries would."""
+    from transformers.cache_utils import DynamicLayer
+
+    g = torch.Generator().manual_seed(1)
+    layer = kv.GrowingLayer()
+    layer.update(torch.randn(1, 2, 30, 4, generator=g), torch.randn(1, 2, 30, 4, generator=g))
+    expected = [t[..., list(range(20)) + [20 + k for k in keep], :].clone() for t in (layer.keys, layer.values)]
+    kv.keep_positions(type("C", (), {"layers": [layer]})(), 20, keep)
+    assert torch.equal(layer.keys, expected[0]) and torch.equal(layer.values, expected[1])
+    assert isinstance(layer, DynamicLayer) and layer.get_seq_length() == 20 + len(keep)
+
+
 def test_growing_layer_equals_dynamic_layer():
     """``GrowingLayer`` (appends in place) holds what transformers' ``DynamicLayer`` holds through appends that outgrow
     its buffer, crops, in-place moves (``keep_positions``) and row selection."""

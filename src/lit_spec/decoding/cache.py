@@ -67,19 +67,32 @@ def keep_positions(cache: DynamicCache, start: int, keep: list[int]) -> None:
     entries are touched (moved in place, then the tail cut), never the past before ``start``.
     """
     length = start + len(keep)
-    moved = [k for i, k in enumerate(keep) if k != i]   # offsets already in place need no copy
+    moves = _moves(keep)
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
         if getattr(layer, "is_sliding", False) and layer.get_seq_length() >= layer.sliding_window:
             raise NotImplementedError("keep_positions on a sliding-window layer that has dropped old positions")
-        if moved:
-            src = torch.tensor(keep, device=layer.keys.device) + start
-            layer.keys[..., start:length, :] = layer.keys[..., src, :]
-            layer.values[..., start:length, :] = layer.values[..., src, :]
+        for dst, src, n in moves:
+            for t in (layer.keys, layer.values):
+                block = t[..., start + src: start + src + n, :]
+                t[..., start + dst: start + dst + n, :] = block.clone() if src < dst + n else block
         layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
         if hasattr(layer, "cumulative_length"):    # sliding-window layers (Mistral) count their length themselves
             layer.cumulative_length = length
+
+
+def _moves(keep: list[int]) -> list[tuple[int, int, int]]:
+    """``keep`` (increasing offsets) as slice copies (destination, source, count), one per run of consecutive kept
+    offsets that is not already in place: cheaper than a gather, and an accepted path is mostly one or two runs.
+    Destinations never pass their sources (dst <= src), so copying the runs in order is safe."""
+    runs: list[list[int]] = []
+    for dst, src in enumerate(keep):
+        if runs and src == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([dst, src, 1])
+    return [(dst, src, n) for dst, src, n in runs if dst != src]
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
