@@ -241,3 +241,27 @@ def test_experiment_runs_every_method_on_micro_models(micro_dirs, tmp_path, task
                             "hf_assisted"}
     assert results["num_prompts"] == 2 and results["max_new_tokens"] == 16
     assert all(m["exact_match"] == 1.0 and m["new_tokens"] > 0 for m in methods.values()), methods
+
+
+@pytest.mark.slow
+def test_gpu_bench_experiment_runs_on_micro_models(micro_dirs, tmp_path):
+    """+experiment=bench_qwen2_5_1_5b (the decoding engine's ~1B GPU bench) as the bench runs it, on CPU with its
+    models swapped for micro ones (fp32) and GSM8K for a local file: every method with the experiment's settings
+    (lookahead W 15 N 5 G 15, the draft's tree and Ouroboros) decodes our AR's tokens."""
+    cfg = compose_config(["+experiment=bench_qwen2_5_1_5b"], config_name="bench")
+    assert (cfg.model.name_or_path, cfg.draft.name_or_path) == ("Qwen/Qwen2.5-1.5B-Instruct",
+                                                                "Qwen/Qwen2.5-0.5B-Instruct")
+    assert cfg.model.dtype == cfg.draft.dtype == "bfloat16" and cfg.bench.device == "cuda"
+    path = write_rows(gsm8k_rows(4), tmp_path / "gsm8k.jsonl")
+    cfg = compose_config(["+experiment=bench_qwen2_5_1_5b", f"model.name_or_path={micro_dirs[0]}", "model.dtype=float32",
+                          f"draft.name_or_path={micro_dirs[1]}", f"data.path={path}", "bench.device=cpu",
+                          "bench.num_prompts=2", "bench.max_new_tokens=16", "bench.warmup_prompts=0"],
+                         config_name="bench")
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path / "out")
+    results = run_benchmark(cfg, tmp_path / "out")
+    methods = results["methods"]
+    assert set(methods) == {"ar", "jacobi", "lookahead", "speculative", "tree", "ouroboros", "hf_generate",
+                            "hf_assisted", "hf_prompt_lookup"}
+    assert results["dtype"] == "float32" and "gsm8k_answer" in results["quality"]
+    assert all(m["exact_match"] == 1.0 and m["new_tokens"] > 0 for m in methods.values()), methods
