@@ -1,8 +1,9 @@
-from lit_spec.data.datamodule import IGNORE_INDEX, PromptDataModule, batch_size, num_tokens
+from lit_spec.data.datamodule import IGNORE_INDEX, PromptDataModule, batch_size, collate_answers, num_tokens
 from lit_spec.data.metrics import METRICS, get_metric
 from lit_spec.data.sources import HFSource, StdlibCodeSource, mbpp_tests, sharegpt_first_turn
 from lit_spec.data.templates import PromptTemplate
 from lit_spec.data.trajectory_data import TrajectoryDataModule
 
 __all__ = ["IGNORE_INDEX", "METRICS", "PromptDataModule", "PromptTemplate", "HFSource", "StdlibCodeSource",
-           "TrajectoryDataModule", "batch_size", "get_metric", "mbpp_tests", "num_tokens", "sharegpt_first_turn"]
+           "TrajectoryDataModule", "batch_size", "collate_answers", "get_metric", "mbpp_tests", "num_tokens",
+           "sharegpt_first_turn"]

@@ -156,8 +156,8 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
 
     base = totals["ar"].tokens_per_s
     results = {"model": spec.name_or_path, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
-               "num_prompts": len(prompts),
-               "max_new_tokens": max_new, "temperature": cfg.bench.temperature, "methods": {}}
+               "num_prompts": len(prompts), "max_new_tokens": max_new, "temperature": cfg.bench.temperature,
+               "methods": {}}
     for name, stats in totals.items():
         # sampled outputs differ by chance: token identity is a greedy (temperature 0) check only
         exact = (sum(o == a for o, a in zip(outputs[name], outputs["ar"])) / len(prompts)

@@ -41,8 +41,7 @@ import torch.nn.functional as F
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 from transformers import AutoConfig
 
-from lit_spec.data import IGNORE_INDEX
-from lit_spec.data.datamodule import collate_answers
+from lit_spec.data import IGNORE_INDEX, collate_answers
 from lit_spec.decoding import generate
 from lit_spec.decoding.draft import check_draft
 from lit_spec.decoding.speculative import SpeculativeDecoder
