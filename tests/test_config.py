@@ -291,3 +291,14 @@ def test_an_empty_cache_dir_is_refused(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="LIT_SPEC_CACHE"):
         build(cfg.model)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_readme_lists_every_option_of_every_group():
+    """README = the truth: its table of config groups names every option under conf/ (a new config that the README
+    does not mention fails here)."""
+    readme = (CONF.parent / "README.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`").split("`")[0]: line for line in readme.splitlines()
+            if line.startswith("| `")}
+    missing = [f"{group}={option}" for group in [*GROUPS, "experiment"] if group not in {"paths"}
+               for option in _options(group) if f"`{option}`" not in rows.get(group, "")]
+    assert not missing, f"README's config table lacks: {missing}"
