@@ -35,10 +35,16 @@ def test_bench_runs_every_runner_and_writes_its_report(micro_dirs, tmp_path):
         # greedy, same model: every peer must produce exactly our AR's tokens
         assert m["exact_match"] == 1.0, name
     assert methods["ar"]["target_forwards"] == methods["ar"]["new_tokens"]
+    ar = methods["ar"]
+    assert ar["ms_per_forward"] == pytest.approx(1e3 * ar["forward_time"] / ar["target_forwards"])
+    assert ar["forward_cost"] == pytest.approx(1.0)
+    assert all(methods[peer]["forward_cost"] is None for peer in ("hf_generate", "hf_assisted", "hf_prompt_lookup"))
     on_disk = json.loads((tmp_path / "bench.json").read_text())
     assert on_disk["methods"].keys() == methods.keys()
     table = (tmp_path / "bench.md").read_text()
     assert all(f"| {name} |" in table for name in methods)
+    ar_row = next(line for line in table.splitlines() if line.startswith("| ar |"))
+    assert ar_row.split(" | ")[-2] == "1.00×"          # AR's target forward against its own
     assert (tmp_path / "bench.png").stat().st_size > 1000
     quality = results["quality"]
     assert set(quality) == {"repetitive", "mean_new_tokens"} and "greedy answers: repetitive" in table
