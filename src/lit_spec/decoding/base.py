@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lit_spec.decoding.state import DecodeState
+from lit_spec.decoding.state import DecodeState, eos_ids, until_eos
 from lit_spec.decoding.stats import DecodeStats, sync_device
 from lit_spec.errors import ConfigError
 
@@ -72,10 +72,7 @@ class Decoder(ABC):
 def new_tokens(sequences: torch.Tensor, prompt_len: int, eos: int | None) -> list[int]:
     """The tokens after the prompt of ``sequences``' first row, up to and including the first ``eos`` (padding after
     it dropped): what a decoder or ``model.generate`` answered."""
-    new = sequences[0, prompt_len:].tolist()
-    if eos is not None and eos in new:
-        new = new[: new.index(eos) + 1]
-    return new
+    return until_eos(sequences[0, prompt_len:].tolist(), eos_ids(eos))
 
 
 def generate(model, input_ids: torch.Tensor, method: str = "ar", max_new_tokens: int = 128,

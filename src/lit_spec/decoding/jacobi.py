@@ -48,7 +48,7 @@ import torch
 from lit_spec.decoding.base import Decoder, register
 from lit_spec.decoding.masks import causal
 from lit_spec.decoding.state import DecodeState
-from lit_spec.decoding.verify import greedy_accept_length
+from lit_spec.decoding.verify import greedy_accept_length, require_greedy
 from lit_spec.errors import ConfigError, check_count
 
 INITS = ("prefix", "random", "pad", "repeat_last")
@@ -121,8 +121,7 @@ class JacobiDecoder(Decoder):
                  temperature: float = 0.0, **kwargs):
         super().__init__(model, **kwargs)
         self.n_tokens = check_count("n_tokens", n_tokens)
-        if temperature != 0:
-            raise ConfigError(f"jacobi: temperature={temperature}; Jacobi decoding is greedy only (temperature 0)")
+        require_greedy("jacobi", temperature)
         self.guess = GuessMaker(model, init, init_token, self.pad_token_id, seed)
         self.return_trajectory = bool(return_trajectory)
         self.align_blocks = bool(align_blocks)

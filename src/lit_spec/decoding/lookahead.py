@@ -34,7 +34,7 @@ from lit_spec.decoding.jacobi import GuessMaker
 from lit_spec.decoding.masks import depths, from_parents
 from lit_spec.decoding.phrases import PhrasePool
 from lit_spec.decoding.state import DecodeState
-from lit_spec.decoding.verify import greedy_accept_length
+from lit_spec.decoding.verify import greedy_accept_length, require_greedy
 from lit_spec.errors import ConfigError, check_count
 
 
@@ -155,9 +155,7 @@ class LookaheadDecoder(Decoder):
         if self.ngram < 2:
             raise ConfigError(f"ngram={ngram!r}: the n-gram size N must be >= 2 (N - 1 lookahead levels, n-grams of "
                               "a first token and at least one more)")
-        if temperature != 0:
-            raise ConfigError(f"lookahead: temperature={temperature}; lookahead decoding here is greedy only "
-                              "(temperature 0)")
+        require_greedy("lookahead", temperature)
         self.guess = GuessMaker(model, init, init_token, self.pad_token_id, seed)
         self.pool_from_prompt = bool(pool_from_prompt)
 

@@ -39,6 +39,7 @@ from lit_spec.decoding.masks import depths, from_parents
 from lit_spec.decoding.phrases import PhrasePool
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.tree import commit_tree
+from lit_spec.decoding.verify import require_greedy
 from lit_spec.errors import ConfigError, check_count
 
 
@@ -84,8 +85,7 @@ class OuroborosDecoder(Decoder):
         self.phrases = check_count("phrases", phrases)
         if self.ngram < 2:
             raise ConfigError(f"ngram={ngram!r}: the phrase length N must be >= 2 (a key token and at least one more)")
-        if temperature != 0:
-            raise ConfigError(f"ouroboros: temperature={temperature}; Ouroboros here is greedy only (temperature 0)")
+        require_greedy("ouroboros", temperature)
         self.draft_lookahead, self.lengthen = bool(draft_lookahead), bool(lengthen)
         self.harvest, self.reuse = bool(harvest), bool(reuse)
         self.pool_capacity = check_count("pool_capacity", pool_capacity)

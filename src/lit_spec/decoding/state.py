@@ -30,6 +30,14 @@ def eos_ids(eos_token_id: int | list[int] | None) -> set[int]:
     return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
 
 
+def until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """``tokens`` up to and including the first one in ``eos`` (all of them when none is)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
 def selects_logits(model) -> bool:
     """transformers' causal LMs compute logits only where asked (``logits_to_keep``); others get sliced after."""
     return "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -150,11 +158,7 @@ class DecodeState:
                 continue
             row = self.out[self.active[r]]
             room = self.max_new_tokens - len(row)
-            new = new[:room]
-            for i, t in enumerate(new):
-                if t in self.eos:
-                    new = new[: i + 1]
-                    break
+            new = until_eos(new[:room], self.eos)
             row.extend(new)
             counts.append(len(new))
             if drafted is not None:

@@ -37,6 +37,12 @@ def check_sampling(temperature, top_p=1.0) -> tuple[float, float]:
     return float(temperature), float(top_p)
 
 
+def require_greedy(method: str, temperature) -> None:
+    """For the decoders that are greedy only (jacobi, lookahead, ouroboros): temperature 0, or a ConfigError."""
+    if temperature != 0:
+        raise ConfigError(f"{method}: temperature={temperature}; {method} decoding here is greedy only (temperature 0)")
+
+
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """Softmax at ``temperature`` with optional nucleus (top-p) truncation, over the last dimension."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)

@@ -39,13 +39,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
-from transformers import AutoConfig
 
 from lit_spec.data import IGNORE_INDEX, collate_answers
 from lit_spec.decoding import generate
 from lit_spec.decoding.draft import check_draft
 from lit_spec.decoding.speculative import SpeculativeDecoder
-from lit_spec.decoding.state import eos_ids
+from lit_spec.decoding.state import eos_ids, until_eos
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.methods import losses
 from lit_spec.methods.base import MethodModule
@@ -70,11 +69,6 @@ def _weight(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ConfigError(f"method.{name}={value!r}: must be a number >= 0")
     return float(value)
-
-
-def _config_vocab(spec: HFModelSpec) -> int | None:
-    config = AutoConfig.from_pretrained(spec.name_or_path, **spec._load_kwargs())
-    return getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", None)
 
 
 def answer_positions(labels: torch.Tensor) -> torch.Tensor:
@@ -123,7 +117,7 @@ class DraftDistillModule(MethodModule):
         for spec in (self.model_spec, self.student_spec):
             spec.prepare()
             spec.validate()     # a clear error for a missing model or a tokenizer that does not fit it
-        teacher, student = _config_vocab(self.model_spec), _config_vocab(self.student_spec)
+        teacher, student = self.model_spec.config_vocab_size(), self.student_spec.config_vocab_size()
         if teacher is not None and student is not None and teacher != student:
             raise ConfigError(
                 f"method.student ({self.student_spec.name_or_path}) has a vocabulary of {student} tokens but the "
@@ -198,14 +192,8 @@ class DraftDistillModule(MethodModule):
         out = generate(self.model, prompts, method="ar", max_new_tokens=self.hparams.max_new_tokens,
                        eos_token_id=None if self._weights_sharded() else eos, attention_mask=prompt_mask)
         stop = eos_ids(eos)
-        pairs = []
-        for r, n in enumerate(prompt_len):
-            new = out.sequences[r, width:].tolist()
-            for i, t in enumerate(new):
-                if t in stop:
-                    new = new[: i + 1]
-                    break
-            pairs.append((ids[r, :n].tolist(), new))
+        pairs = [(ids[r, :n].tolist(), until_eos(out.sequences[r, width:].tolist(), stop))
+                 for r, n in enumerate(prompt_len)]
         return {k: v.to(ids.device) for k, v in collate_answers(pairs, pad_token_id=0).items()}
 
     # ---- losses ---------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ class HFModelSpec:
         elif self.name_or_path.startswith((".", "/", "~")):
             raise ConfigError(f"model.name_or_path={self.name_or_path}: no such directory")
         try:
-            config = AutoConfig.from_pretrained(self.name_or_path, **self._load_kwargs())
+            vocab = self.config_vocab_size()
             tokenizer = self.load_tokenizer()
         except (OSError, ValueError) as e:
             raise ConfigError(
@@ -70,10 +70,14 @@ class HFModelSpec:
                 "If it is a hub id and this machine is offline, download it elsewhere "
                 "(`hf download <id> --local-dir DIR`) and set model.name_or_path=DIR"
             ) from e
-        vocab = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", None)
         if vocab is not None and len(tokenizer) > vocab:
             raise ConfigError(f"tokenizer of {self.name_or_path} has {len(tokenizer)} tokens but the model's "
                               f"embedding has {vocab}: the tokenizer does not belong to this model")
+
+    def config_vocab_size(self) -> int | None:
+        """The vocabulary size the model's config names (reads config.json only, no weights)."""
+        config = AutoConfig.from_pretrained(self.name_or_path, **self._load_kwargs())
+        return getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", None)
 
     def load_tokenizer(self):
         tokenizer = AutoTokenizer.from_pretrained(self.name_or_path, **self._load_kwargs())
