@@ -21,8 +21,9 @@ from omegaconf import open_dict
 
 from lit_spec.collection import reference_trajectories, run_collection
 from lit_spec.config import build, compose_config
+from lit_spec.stages import ensure_stages
 from lit_spec.data.trajectories import read_meta, read_records
-from lit_spec.decoding.jacobi import GuessMaker
+from lit_spec.decoding.guesses import GuessMaker
 
 
 def collect(overrides: list[str]) -> tuple[dict, list[dict]]:
@@ -64,8 +65,8 @@ def main() -> None:
                  f"collect.max_new_tokens={args.max_new_tokens}", "collect.augment.copies=0",
                  "trainer.enable_progress_bar=false"]
     cfg = compose_config(overrides, config_name="collect")
+    ensure_stages(cfg)
     spec = build(cfg.model)
-    spec.prepare()
     model, tokenizer = spec.load_model().eval(), spec.load_tokenizer()
 
     ours, theirs, first = [], [], None

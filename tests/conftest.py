@@ -80,16 +80,20 @@ def models():
     return {arch: random_model(arch) for arch in ARCHS}
 
 
+def built_spec(overrides=(), config_name: str = "train"):
+    """The model spec of a composed config, the model's stages (the tiny model, ...) built first."""
+    from lit_spec.config import build
+    from lit_spec.stages import ensure_stages
+
+    cfg = compose_config(list(overrides), config_name)
+    ensure_stages(cfg.model)
+    return build(cfg.model)
+
+
 @pytest.fixture(scope="session")
 def micro_dirs():
     """Target and draft: two micro tiny models (same tokenizer, different seeds and sizes), built into the cache."""
-    from hydra.utils import instantiate
-
-    target = instantiate(compose_config(MICRO_MODEL).model, _convert_="all")
-    draft = instantiate(compose_config([*MICRO_MODEL, "model.seed=1", "model.num_hidden_layers=1"]).model,
-                        _convert_="all")
-    for spec in (target, draft):
-        spec.prepare()
+    target, draft = built_spec(MICRO_MODEL), built_spec([*MICRO_MODEL, "model.seed=1", "model.num_hidden_layers=1"])
     return target.name_or_path, draft.name_or_path
 
 
@@ -97,9 +101,10 @@ def micro_dirs():
 def built_method(cfg: DictConfig):
     """The method module of a run config (model loaded by ``configure_model``) and its set-up datamodule."""
     from lit_spec.config import build
+    from lit_spec.stages import ensure_stages
 
+    ensure_stages(cfg)
     spec = build(cfg.model)
-    spec.prepare()
     datamodule = build(cfg.data, tokenizer=spec.load_tokenizer())
     datamodule.setup("fit")
     module = build(cfg.method, model_spec=spec)

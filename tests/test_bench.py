@@ -10,7 +10,7 @@ import torch
 from omegaconf import open_dict
 
 from lit_spec.config import compose_config
-from lit_spec.decoding.benchmark import run_benchmark
+from lit_spec.benchmark import run_benchmark
 from lit_spec.errors import ConfigError
 
 
@@ -53,7 +53,7 @@ def test_bench_runs_every_runner_and_writes_its_report(micro_dirs, tmp_path):
 
 def test_bench_runs_in_the_model_configs_dtype(micro_dirs, tmp_path, monkeypatch):
     """``model.dtype`` sets the dtype of the bench (the draft follows it: ``draft.dtype: ${model.dtype}``)."""
-    import lit_spec.decoding.benchmark as benchmark
+    import lit_spec.benchmark as benchmark
 
     loaded = []
     load = benchmark._load
@@ -84,8 +84,8 @@ def test_bench_samples_every_runner_at_a_temperature(micro_dirs, tmp_path):
 def test_bench_scores_the_greedy_answers(micro_dirs, tmp_path):
     from lit_spec.config import build
     from lit_spec.data.metrics import token_f1
-    from lit_spec.data.trajectories import RepetitionFilter
-    from lit_spec.decoding.benchmark import answer_quality
+    from lit_spec.data.repetition import RepetitionFilter
+    from lit_spec.benchmark import answer_quality
 
     results = run_benchmark(bench_config(tmp_path, micro_dirs[0], None, "bench.hf_peers=[]", "bench.metric=token_f1"),
                             tmp_path)

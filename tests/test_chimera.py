@@ -10,11 +10,12 @@ from conftest import built_method, heads_training_step
 from random_models import ARCHS, greedy_with_mid_output_eos, random_model, random_prompts, reference_greedy
 
 from lit_spec.decoding import generate
-from lit_spec.decoding.heads import ChimeraCandidates, ChimeraDecoder
+from lit_spec.decoding.draft_heads import ChimeraCandidates, ChimeraDecoder
 from lit_spec.decoding.state import DecodeState
 from lit_spec.errors import ConfigError
-from lit_spec.models.heads import (ChimeraDraft, MedusaHeads, NGramCache, full_context_mask, load_heads, ngram_inputs,
-                                   save_heads)
+from lit_spec.models.chimera import ChimeraDraft, NGramCache, full_context_mask, ngram_inputs
+from lit_spec.models.draft_heads import MedusaHeads
+from lit_spec.models.saved_heads import load_heads, save_heads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,6 +17,7 @@ from conftest import MICRO_MODEL, make_config
 from lit_spec.config import build
 from lit_spec.data import IGNORE_INDEX, TrajectoryDataModule
 from lit_spec.data.trajectories import read_meta, write_meta, write_part
+from lit_spec.stages import ensure_stages
 from lit_spec.data.trajectory_data import EpochSampler, consistency_item, student_pool
 from lit_spec.errors import ConfigError, DataError
 from lit_spec.methods import CLLMModule
@@ -217,7 +218,7 @@ def test_validation_split_and_errors(tmp_path):
     with pytest.raises(ConfigError, match="ar_target"):
         TrajectoryDataModule(path=str(empty), ar_target="teacher")
     with pytest.raises(ConfigError, match="data.path"):
-        TrajectoryDataModule(path=None, collect=None)
+        TrajectoryDataModule(path=None, collect=None).setup()
 
 
 # ---- the method ---------------------------------------------------------------------------------------------------
@@ -315,16 +316,23 @@ def test_collect_train_and_measure_in_one_run(tmp_path):
 
 
 def test_multi_process_collection_is_a_job_of_its_own(tmp_path, monkeypatch):
-    """A training command collects in its own process only: otherwise it names the collect command to run first."""
-    dm = TrajectoryDataModule(collect=["model=tiny", "trainer.devices=2", "strategy=ddp_spawn"],
-                              cache_dir=str(tmp_path))
+    """A training command collects in its own process only: otherwise it names the collect command to run first,
+    before any stage (the tiny model here) is built."""
+    def stages_of(*collect: str):
+        cfg = make_config(tmp_path / "run", [*MICRO_MODEL, f"paths.cache_dir={tmp_path / 'cache'}"])
+        with open_dict(cfg):
+            cfg.data.collect = list(collect)
+        return cfg
+
     with pytest.raises(ConfigError, match=r"python -m lit_spec.collect model=tiny trainer.devices=2 strategy=ddp_spawn "
-                                          rf"collect.out_dir={tmp_path}/trajectories-"):
-        dm.prepare_data()
+                                          rf"collect.out_dir={tmp_path}/cache/trajectories-"):
+        ensure_stages(stages_of("model=tiny", "trainer.devices=2", "strategy=ddp_spawn"))
     monkeypatch.setenv("WORLD_SIZE", "2")  # a training job launched as 2 processes (torchrun, SLURM)
     with pytest.raises(ConfigError, match="training processes: 2"):
+        ensure_stages(stages_of("model=tiny"))
+    assert not (tmp_path / "cache").exists()
+    with pytest.raises(ConfigError, match="data.path is null"):   # no stage resolved: the datamodule says so
         TrajectoryDataModule(collect=["model=tiny"], cache_dir=str(tmp_path)).setup()
-    assert not list(tmp_path.iterdir())
 
 
 def test_method_and_data_must_fit_before_any_work(tmp_path):

@@ -15,11 +15,12 @@ from omegaconf import open_dict
 from random_models import ARCHS, greedy_with_mid_output_eos, random_model, random_prompts, reference_greedy
 
 from conftest import MICRO_MODEL
-from lit_spec import collection
-from lit_spec.collection import TrajectoryCollector, cached_trajectories, reference_trajectories, run_collection
+from lit_spec import stages
+from lit_spec.collection import TrajectoryCollector, reference_trajectories, run_collection
 from lit_spec.config import build, compose_config
 from lit_spec.data.trajectories import read_meta, read_records
-from lit_spec.decoding.jacobi import GuessMaker, JacobiDecoder
+from lit_spec.decoding.guesses import GuessMaker
+from lit_spec.decoding.jacobi import JacobiDecoder
 from lit_spec.errors import ConfigError, DataError
 
 # 10 train prompts (3 batches) + the validation prompts that fit (2 batches), 16 new tokens in blocks of 4
@@ -131,17 +132,25 @@ def test_two_processes_give_the_records_of_one(baseline, tmp_path):
     assert read_meta(out)["stats"]["records"] == read_meta(baseline)["stats"]["records"]
 
 
-def test_cached_trajectories_collect_once(baseline, tmp_path, monkeypatch):
-    out = cached_trajectories(MICRO_COLLECT, tmp_path / "cache")
-    assert out.parent == tmp_path / "cache" and out.name.startswith("trajectories-")
+def test_trajectories_stage_collects_once(baseline, tmp_path, monkeypatch):
+    def train_config(*collect: str):
+        cfg = compose_config([*MICRO_MODEL, f"paths.cache_dir={tmp_path / 'cache'}"])
+        with open_dict(cfg):
+            cfg.data.collect = [*MICRO_COLLECT, *collect]
+        return cfg
+
+    cfg = train_config()
+    out = Path(stages.ensure_stages(cfg)[-1].output)
+    assert out.parent == tmp_path / "cache" and out.name.startswith("trajectories-") and cfg.data.path == str(out)
     assert read_records(out, include_dropped=True) == read_records(baseline, include_dropped=True)
+
     def collect_again(cfg):
         raise RuntimeError(f"collected again into {cfg.collect.out_dir}")
 
-    monkeypatch.setattr(collection, "run_collection", collect_again)
-    assert cached_trajectories(MICRO_COLLECT, tmp_path / "cache") == out
+    monkeypatch.setattr(stages, "run_collection_stage", collect_again)
+    assert stages.ensure_stages(train_config())[-1].output == out
     with pytest.raises(RuntimeError, match="collected again") as e:  # another setting: another directory
-        cached_trajectories([*MICRO_COLLECT, "collect.n_tokens=5"], tmp_path / "cache")
+        stages.ensure_stages(train_config("collect.n_tokens=5"))
     assert str(out) not in str(e.value)
 
 

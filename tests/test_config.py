@@ -280,8 +280,9 @@ def test_config_hash_ignores_null_options_and_sees_every_value():
 def test_an_empty_cache_dir_is_refused(monkeypatch, tmp_path):
     """LIT_SPEC_CACHE="" would resolve paths.cache_dir to "": refused before anything is built into the working
     directory."""
-    from lit_spec.config import build, cache_entry
+    from lit_spec.config import cache_entry
     from lit_spec.errors import ConfigError
+    from lit_spec.stages import find_stages
 
     assert cache_entry("~/x", "stage-1") == Path.home() / "x" / "stage-1"
     monkeypatch.setenv("LIT_SPEC_CACHE", "")
@@ -289,7 +290,7 @@ def test_an_empty_cache_dir_is_refused(monkeypatch, tmp_path):
     cfg = compose_config(["model=tiny_target"])
     assert cfg.paths.cache_dir == ""
     with pytest.raises(ConfigError, match="LIT_SPEC_CACHE"):
-        build(cfg.model)
+        find_stages(cfg)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -161,10 +161,11 @@ def test_generated_objective_trains_on_the_teachers_greedy_answers(micro_config)
 
 def test_bad_settings_are_refused_when_the_module_is_built(micro_config):
     from lit_spec.config import build
+    from lit_spec.stages import ensure_stages
 
     mismatch = distill_config(micro_config, "method.student.vocab_size=256")   # BPE: 256 bytes + 3 specials = 259
+    ensure_stages(mismatch)
     spec = build(mismatch.model)
-    spec.prepare()
     with pytest.raises(ConfigError, match=r"vocabulary of 259 tokens but the target model .* has 512"):
         build(mismatch.method, model_spec=spec)
 

@@ -13,7 +13,7 @@ from random_models import ARCHS, greedy_with_mid_output_eos, random_model, rando
 from lit_spec.decoding import generate
 from lit_spec.decoding.masks import causal
 from lit_spec.errors import ConfigError
-from lit_spec.models.heads import load_heads, save_heads
+from lit_spec.models.saved_heads import load_heads, save_heads
 from lit_spec.models.hidden_transfer import HiddenTransfer, transfer_block
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -142,7 +142,7 @@ def test_bad_input_is_a_config_error(models):
     with pytest.raises(ConfigError, match="deep"):
         generate(model, ids, "hidden_transfer", transfer=transfer(model, layers=(1,)), tree=[2, 2])
     with pytest.raises(ConfigError, match="expected hidden_transfer"):
-        from lit_spec.models.heads import MedusaHeads
+        from lit_spec.models.draft_heads import MedusaHeads
 
         generate(model, ids, "hidden_transfer", transfer=MedusaHeads(c.hidden_size, c.vocab_size))
 

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from conftest import MICRO_MODEL
 from lit_spec.config import compose_config
+from lit_spec.stages import ensure_stages, find_stages
 from lit_spec.errors import ConfigError
 from lit_spec.models import HFModelSpec, StageModelSpec, TinyModelSpec, spec_from_dict, train_bpe_tokenizer
 from lit_spec.models import tiny
@@ -40,14 +41,16 @@ def llama_dir(tmp_path_factory, bpe) -> Path:
     return save_llama(tmp_path_factory.mktemp("llama"), no_pad, vocab_size=len(bpe))
 
 
-def micro_spec(*overrides: str) -> TinyModelSpec:
-    return instantiate(compose_config([*MICRO_MODEL, *overrides]).model, _convert_="all")
+def micro_spec(*overrides: str, built: bool = False) -> TinyModelSpec:
+    """The micro tiny model's spec, its path filled in by the tiny_base stage (built first when ``built``)."""
+    cfg = compose_config([*MICRO_MODEL, *overrides])
+    (ensure_stages if built else find_stages)(cfg.model)
+    return instantiate(cfg.model, _convert_="all")
 
 
 # ---- HFModelSpec ------------------------------------------------------------------------------------------------
 def test_hf_spec_validates_and_loads_a_local_directory(llama_dir):
     spec = HFModelSpec(name_or_path=str(llama_dir), dtype="bfloat16", attn_implementation="eager")
-    spec.prepare()
     spec.validate()
     tokenizer = spec.load_tokenizer()
     assert tokenizer.pad_token_id == tokenizer.eos_token_id, "a tokenizer without pad token pads with EOS"
@@ -104,11 +107,13 @@ def test_bad_dtype(llama_dir, dtype):
 
 
 # ---- TinyModelSpec ----------------------------------------------------------------------------------------------
-def test_tiny_prepare_builds_a_standard_checkpoint_and_reuses_it(stage_cache, monkeypatch):
+def test_tiny_stage_builds_a_standard_checkpoint_and_reuses_it(stage_cache, monkeypatch):
     spec = micro_spec()
     out = Path(spec.name_or_path)
     assert out.parent == stage_cache and out.name.startswith("tiny_base-")
-    spec.prepare()
+    with pytest.raises(ConfigError, match="name_or_path is empty"):      # a spec whose stage was not resolved
+        TinyModelSpec(cache_dir=str(stage_cache)).validate()
+    assert micro_spec(built=True) == spec
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     spec.validate()
 
@@ -137,18 +142,16 @@ def test_tiny_prepare_builds_a_standard_checkpoint_and_reuses_it(stage_cache, mo
         logits = model(torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), c.vocab_size)
 
-    # a second prepare() (and a fresh spec of the same architecture) reuses the cache: no rebuild
+    # the stage again (a fresh spec of the same architecture) reuses the cache: no rebuild
     stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
 
     def no_rebuild(*args, **kwargs):
-        raise AssertionError("prepare() rebuilt a cached tiny model")
+        raise AssertionError("the tiny_base stage rebuilt a cached tiny model")
 
     monkeypatch.setattr(tiny, "train_bpe_tokenizer", no_rebuild)
     monkeypatch.setattr(tiny, "stdlib_corpus", no_rebuild)
-    spec.prepare()
-    again = micro_spec()
+    again = micro_spec(built=True)
     assert again.name_or_path == spec.name_or_path
-    again.prepare()
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
 
 
@@ -168,7 +171,7 @@ def test_tiny_name_follows_the_architecture():
 def test_spec_round_trips_through_a_dict(llama_dir):
     specs = [micro_spec("model.dtype=bfloat16", "model.gradient_checkpointing=true"),
              HFModelSpec(name_or_path=str(llama_dir), dtype="float16", attn_implementation=None, revision="main"),
-             StageModelSpec(cache_dir=str(llama_dir))]
+             StageModelSpec(name_or_path=str(llama_dir), cache_dir=str(llama_dir))]
     for spec in specs:
         d = spec.to_dict()
         assert d["class"] == f"{type(spec).__module__}.{type(spec).__qualname__}"

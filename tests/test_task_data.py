@@ -11,7 +11,7 @@ from omegaconf import open_dict
 from lit_spec.config import compose_config
 from lit_spec.data import HFSource
 from lit_spec.data.metrics import rouge1
-from lit_spec.decoding.benchmark import load_prompts, run_benchmark
+from lit_spec.benchmark import load_prompts, run_benchmark
 from lit_spec.errors import ConfigError, DataError
 from lit_spec.models import train_bpe_tokenizer
 from test_data import build_datamodule, decoded, gsm8k_rows, mbpp_rows, setup_datamodule, wmt16_rows, write_rows

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from lit_spec.data.trajectories import (RepetitionFilter, augment_states, done_batches, part_path, read_meta,
+from lit_spec.data.repetition import RepetitionFilter
+from lit_spec.data.trajectories import (augment_states, done_batches, part_path, read_meta,
                                         read_records, write_meta, write_part)
 from lit_spec.errors import DataError
 

@@ -19,7 +19,7 @@ from lit_spec.errors import LitSpecError
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="bench")
 def main(cfg: DictConfig) -> None:
-    from lit_spec.decoding.benchmark import markdown_table, run_benchmark
+    from lit_spec.benchmark import markdown_table, run_benchmark
 
     try:
         results = run_benchmark(cfg, Path(cfg.paths.output_dir))

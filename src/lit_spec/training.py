@@ -1,4 +1,5 @@
-"""The training pipeline behind ``python -m lit_spec.train``: check, build everything from config, fit, export."""
+"""The training pipeline behind ``python -m lit_spec.train``: check, ensure the stages, build everything from config,
+fit, export."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from lit_spec.errors import ConfigError
 from lit_spec.export import export_pretrained
 from lit_spec.io import write_json
 from lit_spec.loggers import finish_wandb
+from lit_spec.stages import ensure_stages
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +83,8 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(f"ckpt_path={ckpt_path}: no such checkpoint; pass a .ckpt file (or DeepSpeed checkpoint "
                           "directory) from an earlier run's checkpoints/")
 
+    ensure_stages(cfg)  # earlier stages (tiny model, tiny target, trajectories): cached, or built now
     model_spec = build(cfg.model)
-    model_spec.prepare()
     model_spec.validate()
     tokenizer = model_spec.load_tokenizer()
     datamodule = build(cfg.data, tokenizer=tokenizer)

@@ -22,35 +22,18 @@ Every rank decodes the same prompts (under ZeRO-3 every forward is collective); 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lit_spec.data.metrics import score_answers
-from lit_spec.decoding import DECODERS, DecodeStats, Decoder, new_tokens
+from lit_spec.decoding import DECODERS, Decoder
 from lit_spec.decoding.verify import greedy_accept_length
 from lit_spec.errors import ConfigError
+from lit_spec.measure import EXTRAS, Run, build_decoders, compare, decode_prompts, mean
 
 log = logging.getLogger(__name__)
-
-# extras a decoder may return (key -> metric prefix), averaged over prompts
-EXTRAS = {"fast_forward_count": "fast_forward", "stationary_count": "stationary"}
-
-
-@dataclass
-class _Run:
-    """One decoder over all prompts: the new tokens of each (up to and including EOS), summed stats, extras."""
-    outputs: list[list[int]] = field(default_factory=list)
-    stats: DecodeStats = field(default_factory=DecodeStats)
-    extras: list[dict] = field(default_factory=list)
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values) if values else 0.0
-
 
 class SpeedupCallback(L.Callback):
     """Args:
@@ -106,28 +89,18 @@ class SpeedupCallback(L.Callback):
             log.info("speedup callback: split %r has no records, trying the next", split)
         if not self.records:
             raise ConfigError("callbacks.speedup: the datamodule has no records to decode")
-        model = pl_module.model
-        decoders = {"ar": DECODERS["ar"](model), **getattr(pl_module, "decoders", dict)()}
-        for name, params in self.extra_decoders.items():
-            if name in decoders:
-                raise ConfigError(f"callbacks.speedup.extra_decoders.{name}: the method already offers a decoder "
-                                  f"named {name!r}; name the entry otherwise, with `method: {name}`")
-            params = dict(params)
-            decoders[name] = DECODERS[params.pop("method", name)](model, **params)
-        self.decoders = decoders
-        self._decode(decoders["ar"], self.records[:1], pl_module.device)  # warm-up, untimed
+        decoders = {"ar": DECODERS["ar"](pl_module.model), **getattr(pl_module, "decoders", dict)()}
+        clash = sorted(set(decoders) & set(self.extra_decoders))
+        if clash:
+            raise ConfigError(f"callbacks.speedup.extra_decoders.{clash[0]}: the method already offers a decoder "
+                              f"named {clash[0]!r}; name the entry otherwise, with `method: {clash[0]}`")
+        self.decoders = decoders | build_decoders(pl_module.model, self.extra_decoders)
+        self._decode({"ar": decoders["ar"]}, self.records[:1], pl_module.device)  # warm-up, untimed
 
     # ---- measuring --------------------------------------------------------------------------------------------
-    def _decode(self, decoder: Decoder, records: list[dict], device: torch.device) -> _Run:
-        eos = self.tokenizer.eos_token_id
-        run = _Run()
-        for record in records:
-            ids = torch.tensor([record["prompt_ids"]], device=device)
-            out = decoder.generate(ids, max_new_tokens=self.max_new_tokens, eos_token_id=eos)
-            run.outputs.append(new_tokens(out.sequences, ids.size(1), eos))
-            run.stats = run.stats + out.stats
-            run.extras.append(out.extras)
-        return run
+    def _decode(self, decoders: dict[str, Decoder], records: list[dict], device: torch.device) -> dict[str, Run]:
+        prompts = [torch.tensor([r["prompt_ids"]], device=device) for r in records]
+        return decode_prompts(decoders, prompts, self.max_new_tokens, self.tokenizer.eos_token_id)
 
     @torch.no_grad()
     def _decode_all(self, trainer: L.Trainer, pl_module: L.LightningModule, only_ar: bool = False) -> dict:
@@ -137,8 +110,8 @@ class SpeedupCallback(L.Callback):
         pl_module.eval()
         try:
             self._prepare(trainer, pl_module)
-            return {name: self._decode(d, self.records, pl_module.device) for name, d in self.decoders.items()
-                    if name == "ar" or not only_ar}
+            decoders = {"ar": self.decoders["ar"]} if only_ar else self.decoders
+            return self._decode(decoders, self.records, pl_module.device)
         finally:
             for m, training in modes.items():
                 m.training = training
@@ -152,22 +125,13 @@ class SpeedupCallback(L.Callback):
         return metrics
 
     @staticmethod
-    def _speed(runs: dict[str, _Run]) -> dict[str, float]:
-        ar = runs["ar"]
-        metrics = {"tokens_per_s/ar": ar.stats.tokens_per_s}
-        for name, run in runs.items():
-            if name == "ar":
-                continue
-            tps = run.stats.tokens_per_s
-            metrics[f"speedup/{name}"] = tps / ar.stats.tokens_per_s if ar.stats.tokens_per_s else 0.0
-            metrics[f"tokens_per_s/{name}"] = tps
-            metrics[f"mean_accepted/{name}"] = run.stats.mean_accepted
-            metrics[f"exact_match/{name}"] = _mean(o == a for o, a in zip(run.outputs, ar.outputs))
-            for key, prefix in EXTRAS.items():
-                values = [float(e[key]) for e in run.extras if key in e]
-                if values:
-                    metrics[f"{prefix}/{name}"] = _mean(values)
-        return metrics
+    def _speed(runs: dict[str, Run]) -> dict[str, float]:
+        """Logged per decoder NAME: speedup/NAME, tokens_per_s/NAME, mean_accepted/NAME, exact_match/NAME and the
+        decoder's extras (fast_forward/NAME, ...); AR's tokens/s."""
+        keys = ("speedup", "tokens_per_s", "mean_accepted", "exact_match", *EXTRAS.values())
+        return {"tokens_per_s/ar": runs["ar"].stats.tokens_per_s} | {
+            f"{key}/{name}": float(m[key] or 0.0) for name, m in compare(runs).items() if name != "ar"
+            for key in keys if key in m}
 
     def _keep_original(self, outputs: list[list[int]]) -> None:
         """The first outputs decoded: the model as it was before training (kept in the callback's state)."""
@@ -181,8 +145,8 @@ class SpeedupCallback(L.Callback):
         pairs = [(o, original[tuple(p)]) for p, o in zip(prompts, outputs) if tuple(p) in original]
         metrics = {}
         if pairs:
-            metrics["quality/agreement"] = _mean(o == r for o, r in pairs)
-            metrics["quality/token_agreement"] = _mean(greedy_accept_length(o, r) / max(len(r), 1) for o, r in pairs)
+            metrics["quality/agreement"] = mean(o == r for o, r in pairs)
+            metrics["quality/token_agreement"] = mean(greedy_accept_length(o, r) / max(len(r), 1) for o, r in pairs)
         name = getattr(dm, "metric", None)
         if name:
             metrics[f"quality/{name}"] = score_answers(name, outputs, [r["answer_ids"] for r in self.records],

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 
 import lightning as L
@@ -132,8 +131,9 @@ class TrajectorySource:
 class TrajectoryDataModule(L.LightningDataModule):
     """Args:
         tokenizer: the model's (its pad token pads; the speedup callback decodes with it).
-        path: a collected trajectory directory; null: collect (or reuse the cached collection) with ``collect``.
-        collect: overrides for ``conf/collect.yaml`` used when ``path`` is null; cache_dir: where collections live.
+        path: a collected trajectory directory (the ``trajectories`` stage of ``lit_spec.stages`` sets it when the
+            config leaves it null).
+        collect, cache_dir: that stage's ``conf/collect.yaml`` overrides and cache (read by the stage, not here).
         batch_size, eval_batch_size: items (blocks) per batch.
         use_augmented: augmented states (§3.2.1) join the states a student input is drawn from.
         max_context_tokens: left-truncate the context before a block (and the prompt of the AR sequence).
@@ -153,53 +153,23 @@ class TrajectoryDataModule(L.LightningDataModule):
             raise ConfigError(f"data.ar_target={ar_target!r}: choose one of {list(AR_TARGETS)}")
         if max_context_tokens is not None and max_context_tokens < 1:
             raise ConfigError(f"data.max_context_tokens={max_context_tokens}: must be >= 1 (or null: no limit)")
-        if path is None and not collect:
-            raise ConfigError("data=trajectories: set data.path (a collected directory) or data.collect (overrides "
-                              "for conf/collect.yaml)")
         if metric is not None:
             get_metric(metric)
         if max_train_records is not None and (isinstance(max_train_records, bool) or max_train_records < 1):
             raise ConfigError(f"data.max_train_records={max_train_records!r}: must be >= 1 (or null: all)")
-        self.tokenizer, self.path, self.collect, self.cache_dir = tokenizer, path, collect, cache_dir
+        self.tokenizer, self.path = tokenizer, path
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.use_augmented, self.max_context_tokens, self.ar_target = use_augmented, max_context_tokens, ar_target
         self.metric, self.max_train_records, self.num_workers, self.seed = metric, max_train_records, num_workers, seed
         self.source = TrajectorySource(path)
         self.records: dict[str, list[dict]] | None = None
 
-    def prepare_data(self) -> None:
-        """Collect the trajectories when ``path`` is null and they are not cached yet (Lightning runs this on one
-        process per node, before ``setup``)."""
-        self._resolve_path()
-
-    def _resolve_path(self) -> None:
-        if self.path is not None:
-            return
-        from lit_spec.collection import run_collection, trajectory_cache  # imports decoding
-
-        if self.cache_dir is None:
-            raise ConfigError("data.cache_dir is needed to collect trajectories (data.path is null)")
-        collect_cfg, out, complete = trajectory_cache(list(self.collect), self.cache_dir)
-        if not complete:
-            # A collection inside a training command runs in this one process. A multi-process collection, or a
-            # training job launched as several processes (every one would collect), is a job of its own.
-            trainer = collect_cfg.trainer
-            processes = int(os.environ.get("WORLD_SIZE", "1"))
-            if trainer.get("devices", 1) != 1 or trainer.get("num_nodes", 1) != 1 or processes > 1:
-                raise ConfigError(
-                    f"the trajectories of data.collect={list(self.collect)} are not collected yet, and this run "
-                    f"would collect them with several processes (collect devices={trainer.get('devices')}, "
-                    f"num_nodes={trainer.get('num_nodes')}; training processes: {processes}); collect them first "
-                    f"with\n  python -m lit_spec.collect {' '.join(self.collect)} collect.out_dir={out}\n"
-                    "(resumable), then run this command again: it finds them there")
-            out = run_collection(collect_cfg)
-        self.path = str(out)
-        self.source = TrajectorySource(self.path)
-
     def setup(self, stage: str | None = None) -> None:
         if self.records is not None:
             return
-        self._resolve_path()  # prepare_data collected already, unless called outside a trainer
+        if self.path is None:
+            raise ConfigError("data.path is null: the trajectories of data.collect are a stage, collected (or found "
+                              "cached) by lit_spec.stages.ensure_stages(cfg) before the datamodule is built")
         train = read_records(self.path, "train")
         if not any(block["states"][-1] for r in train for block in r["blocks"]):
             raise DataError(f"{self.path}: no train record with a Jacobi trajectory; collect more prompts "

@@ -6,7 +6,7 @@ from lit_spec.decoding import jacobi  # noqa: F401  (registers "jacobi")
 from lit_spec.decoding import lookahead  # noqa: F401  (registers "lookahead")
 from lit_spec.decoding import speculative  # noqa: F401  (registers "speculative")
 from lit_spec.decoding import tree  # noqa: F401  (registers "tree")
-from lit_spec.decoding import heads  # noqa: F401  (registers "medusa", "chimera")
+from lit_spec.decoding import draft_heads  # noqa: F401  (registers "medusa", "chimera")
 from lit_spec.decoding import hidden_transfer  # noqa: F401  (registers "hidden_transfer")
 from lit_spec.decoding import ouroboros  # noqa: F401  (registers "ouroboros")
 from lit_spec.decoding.base import DECODERS, DecodeOutput, Decoder, generate, new_tokens

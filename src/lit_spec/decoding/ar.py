@@ -1,4 +1,4 @@
-"""``ar``: autoregressive decoding with a KV cache, greedy or sampled — the baseline every speedup is measured
+"""The AR baseline, decoding part (``methods/ar.py`` trains it): ``ar``, autoregressive decoding with a KV cache, greedy or sampled — the baseline every speedup is measured
 against. One target forward per token, nothing else: as fast as a plain decode loop can be."""
 
 from __future__ import annotations

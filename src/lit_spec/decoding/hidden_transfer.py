@@ -1,4 +1,5 @@
-"""``hidden_transfer``: tree decoding whose drafts come out of the verification forward itself (Hidden Transfer §3.4).
+"""Hidden Transfer, decoding part (the models/ and methods/ files of this name build and train its maps):
+``hidden_transfer``, tree decoding whose drafts come out of the verification forward itself (Hidden Transfer §3.4).
 
 Each step feeds [pending token + tree nodes] and, for every one of them, k pseudo tokens (``transfer_block``'s
 layout); the transfer hooks (``models.hidden_transfer``) turn those into the pseudo states of the k tokens after
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from lit_spec.decoding.base import register
-from lit_spec.decoding.heads import _check_depth, _heads
+from lit_spec.decoding.draft_heads import check_depth, load_draft
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.tree import TreeDecoder, TreeSpec, commit_tree
 from lit_spec.models.hidden_transfer import HiddenTransfer, transfer_block
@@ -27,10 +28,10 @@ class HiddenTransferDecoder(TreeDecoder):
     needs_draft, record_hidden = False, True
 
     def __init__(self, model, transfer, tree=(2, 1, 1), **kwargs):
-        self.transfer = _heads(transfer, HiddenTransfer, model).init_from_base(model)
+        self.transfer = load_draft(transfer, HiddenTransfer, model).init_from_base(model)
         super().__init__(model, tree=tree, **kwargs)
         self.lm_head = model.get_output_embeddings()
-        _check_depth(self.transfer, self)
+        check_depth(self.transfer, self)
         self._blocks: dict[TreeSpec, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _block(self, spec: TreeSpec, device) -> tuple[torch.Tensor, torch.Tensor]:

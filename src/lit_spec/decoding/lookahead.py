@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from lit_spec.decoding.base import Decoder, register
-from lit_spec.decoding.jacobi import GuessMaker
+from lit_spec.decoding.guesses import GuessMaker
 from lit_spec.decoding.masks import depths, from_parents
 from lit_spec.decoding.phrases import PhrasePool
 from lit_spec.decoding.state import DecodeState

@@ -33,7 +33,7 @@ import torch
 
 from lit_spec.decoding.base import Decoder, register
 from lit_spec.decoding.draft import DraftRunner, check_context, check_draft
-from lit_spec.decoding.jacobi import GuessMaker
+from lit_spec.decoding.guesses import GuessMaker
 from lit_spec.decoding.lookahead import LookaheadWindow, lookahead_step
 from lit_spec.decoding.masks import depths, from_parents
 from lit_spec.decoding.phrases import PhrasePool

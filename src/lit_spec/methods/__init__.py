@@ -1,7 +1,7 @@
 from lit_spec.methods.ar import ARModule
 from lit_spec.methods.cllm import CLLMModule
 from lit_spec.methods.draft_distill import DraftDistillModule
-from lit_spec.methods.heads import ChimeraModule, MedusaModule
+from lit_spec.methods.draft_heads import ChimeraModule, MedusaModule
 from lit_spec.methods.hidden_transfer import HiddenTransferModule
 
 __all__ = ["ARModule", "CLLMModule", "DraftDistillModule", "ChimeraModule", "MedusaModule", "HiddenTransferModule"]

@@ -1,4 +1,5 @@
-"""``method=ar``: next-token cross-entropy fine-tuning of a causal LM, prompt tokens masked.
+"""The AR baseline, methods part (``decoding/ar.py`` decodes with it): ``method=ar``, next-token cross-entropy
+fine-tuning of a causal LM, prompt tokens masked.
 
 The "fine-tuned baseline" of the CLLM tables, and the stage that pretrains the tiny offline target.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from lit_spec.data import IGNORE_INDEX
-from lit_spec.methods.base import MethodModule
+from lit_spec.methods.method_module import MethodModule
 
 
 class ARModule(MethodModule):

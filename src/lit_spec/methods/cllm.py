@@ -18,7 +18,7 @@ from lit_spec.data import IGNORE_INDEX, TrajectoryDataModule
 from lit_spec.data.trajectory_data import AR_TARGETS
 from lit_spec.decoding.jacobi import JacobiDecoder
 from lit_spec.errors import ConfigError, check_count
-from lit_spec.methods.base import MethodModule
+from lit_spec.methods.method_module import MethodModule
 from lit_spec.methods import losses
 
 CONSISTENCY = ("global", "local")

@@ -47,7 +47,7 @@ from lit_spec.decoding.speculative import SpeculativeDecoder
 from lit_spec.decoding.state import eos_ids, until_eos
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.methods import losses
-from lit_spec.methods.base import MethodModule
+from lit_spec.methods.frozen_base import FrozenBaseModule
 from lit_spec.models import HFModelSpec, spec_from_dict
 
 OBJECTIVES = ("kl", "generated")
@@ -76,7 +76,7 @@ def answer_positions(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False)
 
 
-class DraftDistillModule(MethodModule):
+class DraftDistillModule(FrozenBaseModule):
     """Args (besides ``MethodModule``'s; ``model_spec`` is the frozen target):
         student: the draft model's spec (``HFModelSpec`` or its ``to_dict()``); trained, checkpointed, exported.
         objective: ``kl`` (dataset text, token-level) or ``generated`` (the teacher's greedy answers, sequence-level).
@@ -107,15 +107,13 @@ class DraftDistillModule(MethodModule):
                          kl_weight=kl_weight, ce_weight=ce_weight, max_new_tokens=max_new_tokens, gamma=gamma,
                          **kwargs)
         self.student_spec = spec
-        self.student: torch.nn.Module | None = None
         self.check_vocabularies()   # here, not in configure_model: a bad student stops before the Trainer starts
 
     # ---- models ---------------------------------------------------------------------------------------------
     def check_vocabularies(self) -> None:
-        """Build the student if it is a stage (the training pipeline has built the teacher), check that it can be
-        loaded, and that both configs name the same vocabulary size: reads their config.json files, no weights."""
+        """Check that teacher and student can be loaded (the run's stages built them) and that both configs name
+        the same vocabulary size: reads their config.json files, no weights."""
         for spec in (self.model_spec, self.student_spec):
-            spec.prepare()
             spec.validate()     # a clear error for a missing model or a tokenizer that does not fit it
         teacher, student = self.model_spec.config_vocab_size(), self.student_spec.config_vocab_size()
         if teacher is not None and student is not None and teacher != student:
@@ -124,39 +122,13 @@ class DraftDistillModule(MethodModule):
                 f"target model ({self.model_spec.name_or_path}) has {teacher}: a draft must share the target's "
                 "tokenizer (its tokens are fed to the target as they are)")
 
-    def configure_model(self) -> None:
-        if self.model is None:   # the teacher: frozen, embeddings included, and never in train mode
-            self.model = self.model_spec.load_model().eval().requires_grad_(False)
-        if self.student is None:
-            self.student = self.student_spec.load_model().train()
-            check_draft(self.model, self.student, "draft_distill")    # the LM heads' real sizes
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        if self.model is not None:
-            self.model.eval()
-        return self
+    def build_trainable(self) -> torch.nn.Module:
+        student = self.student_spec.load_model().train()
+        check_draft(self.model, student, "draft_distill")    # the LM heads' real sizes
+        return student
 
     def decoders(self) -> dict:
         return {"speculative": SpeculativeDecoder(self.model, draft_model=self.student, gamma=self.hparams.gamma)}
-
-    # ---- checkpoints -----------------------------------------------------------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """The frozen teacher is rebuilt from ``hparams.model_spec``: checkpoints hold the student only."""
-        if "state_dict" in checkpoint:
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
-                                        if not k.startswith("model.")}
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Put the (rebuilt) teacher's own weights back, so the student loads strictly: a missing or unexpected
-        student key still fails. Lightning calls ``configure_model`` before this hook."""
-        state = checkpoint.get("state_dict")
-        if state is None:                    # DeepSpeed restores module states itself
-            return
-        if self.model is None:
-            self.configure_model()
-        for k, v in self.model.state_dict().items():
-            state.setdefault(f"model.{k}", v)
 
     # ---- the teacher's answers (objective=generated) --------------------------------------------------------
     def _eos(self):
@@ -235,9 +207,3 @@ class DraftDistillModule(MethodModule):
         if "agreement" in t:     # with the teacher's forward (validation; training when kl_weight > 0)
             self.log(f"{stage}/agreement", t["agreement"], prog_bar=val, batch_size=size, sync_dist=val)
         return loss
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "train")
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self._step(batch, "val")

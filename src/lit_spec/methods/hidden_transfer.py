@@ -1,4 +1,5 @@
-"""``method=hidden_transfer`` (Wu et al. 2024, §3.3): train the transfer maps W_i on a frozen base.
+"""Hidden Transfer, methods part (the models/ and decoding/ files of this name build and decode with the maps):
+``method=hidden_transfer`` (Wu et al. 2024, §3.3), the transfer maps W_i trained on a frozen base.
 
 One forward per batch feeds the real sequence (T tokens) followed by k pseudo tokens per real one
 (``models.hidden_transfer.transfer_block``: pseudo (j, i) sees the real tokens <= j and its chain's steps <= i, at
@@ -20,12 +21,13 @@ import torch.nn.functional as F
 from lit_spec.data import IGNORE_INDEX
 from lit_spec.decoding.hidden_transfer import HiddenTransferDecoder
 from lit_spec.decoding.masks import attention_mask, causal
-from lit_spec.methods.heads import TOP_K, HeadsModule
+from lit_spec.methods.draft_heads import TOP_K, check_tree
+from lit_spec.methods.frozen_base import FrozenBaseModule
 from lit_spec.methods.losses import check_distance, distance
 from lit_spec.models.hidden_transfer import HiddenTransfer, transfer_block
 
 
-class HiddenTransferModule(HeadsModule):
+class HiddenTransferModule(FrozenBaseModule):
     """Args (besides ``MethodModule``'s): layers (t_1..t_k, one per transfer step, non-decreasing; t = the decoder
     layers that run before the transfer), masked (the ablation's "masked" setting), distance / jsd_beta (D),
     log_cosine (Fig. 4's similarities at validation), tree (the decoder's static tree; depth <= k)."""
@@ -33,13 +35,14 @@ class HiddenTransferModule(HeadsModule):
     def __init__(self, model_spec, layers=(15, 20), masked: bool = False, distance: str = "forward_kl",
                  jsd_beta: float = 0.5, log_cosine: bool = True, tree=(2, 1, 1), **kwargs):
         check_distance(distance, jsd_beta)
-        for derived in ("num_heads", "labels"):              # saved hparams of a checkpoint carry them
-            kwargs.pop(derived, None)
-        super().__init__(model_spec, num_heads=len(layers), labels="base", tree=tree, layers=list(layers),
-                         masked=masked, distance=distance, jsd_beta=jsd_beta, log_cosine=log_cosine, **kwargs)
+        tree = check_tree(tree, len(layers), f"method.layers has {len(layers)} transfer steps")
+        super().__init__(model_spec, tree=tree, layers=list(layers), masked=masked, distance=distance,
+                         jsd_beta=jsd_beta, log_cosine=log_cosine, **kwargs)
 
-    def build_heads(self, config) -> HiddenTransfer:
-        return HiddenTransfer(config.hidden_size, config.vocab_size, self.hparams.layers, self.hparams.masked)
+    def build_trainable(self) -> HiddenTransfer:
+        config = self.model.config
+        transfer = HiddenTransfer(config.hidden_size, config.vocab_size, self.hparams.layers, self.hparams.masked)
+        return transfer.init_from_base(self.model).to(self.model.device)
 
     def decoders(self) -> dict:
         return {"hidden_transfer": HiddenTransferDecoder(self.model, self.heads, tree=self.hparams.tree)}

@@ -1,4 +1,5 @@
-"""Hidden Transfer (Wu et al. 2024, §3.2-3.4): linear maps that turn the base's hidden state of a token at an
+"""Hidden Transfer (Wu et al. 2024, §3.2-3.4), models part (the methods/ and decoding/ files of this name train and
+decode it): linear maps that turn the base's hidden state of a token at an
 intermediate layer into *pseudo* hidden states of the tokens after it, which then run through the remaining layers
 with the real ones and are decoded by the base's own LM head.
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from lit_spec.errors import ConfigError
-from lit_spec.models.heads import DraftHeads
+from lit_spec.models.draft_heads import DraftHeads
 
 
 def transfer_block(visible: torch.Tensor, depth: torch.Tensor, steps: int,

@@ -46,14 +46,14 @@ class HFModelSpec:
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
 
-    def prepare(self) -> None:
-        """Make sure the weights exist (subclasses build or train them here). Nothing to do for a plain model."""
-
     def _load_kwargs(self) -> dict:
         return {"trust_remote_code": self.trust_remote_code, "revision": self.revision}
 
     def validate(self) -> None:
         """Fail early, with a message, if the model cannot be found or its tokenizer does not fit it."""
+        if not self.name_or_path:
+            raise ConfigError("model.name_or_path is empty: a model built by a stage (model=tiny, tiny_target, ...) "
+                              "gets its path from lit_spec.stages.ensure_stages(cfg) (python -m lit_spec.stages)")
         path = Path(os.path.expanduser(self.name_or_path))
         if path.exists():
             if not (path / "config.json").is_file():

@@ -5,8 +5,7 @@ loads them through the same path as any hub model.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Iterable
 
@@ -14,11 +13,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from lit_spec.config import cache_entry, config_hash
 from lit_spec.io import atomic_dir
 from lit_spec.models.spec import HFModelSpec
-
-log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 
@@ -46,10 +42,9 @@ def stdlib_corpus() -> list[str]:
 
 @dataclass
 class TinyModelSpec(HFModelSpec):
-    """A randomly initialised Llama-architecture model + its BPE tokenizer, built once into ``cache_dir``.
-
-    The directory name carries a hash of the architecture, so changing any size builds a new model.
-    """
+    """A randomly initialised Llama-architecture model + its BPE tokenizer. The ``tiny_base`` stage
+    (``lit_spec.stages``) builds it with ``build_tiny_model`` into a directory keyed by ``architecture()`` and sets
+    ``name_or_path`` to it; changing any size builds a new model."""
 
     name_or_path: str = ""
     cache_dir: str = ".cache/lit_spec"
@@ -64,29 +59,25 @@ class TinyModelSpec(HFModelSpec):
     seed: int = 0
     dtype: str = "float32"
 
-    def __post_init__(self):
-        super().__post_init__()
-        arch = {k: v for k, v in asdict(self).items() if k not in {"name_or_path", "cache_dir", "dtype",
-                                                                       "attn_implementation", "gradient_checkpointing",
-                                                                       "trust_remote_code", "revision"}}
-        self.name_or_path = str(cache_entry(self.cache_dir, f"tiny_base-{config_hash(arch)}"))
+    def architecture(self) -> dict:
+        """What the weights depend on (not where they live or how they are loaded)."""
+        loading = {f.name for f in fields(HFModelSpec)} | {"cache_dir"}
+        return {k: v for k, v in asdict(self).items() if k not in loading}
 
-    def prepare(self) -> None:
-        out = Path(self.name_or_path)
-        if (out / "config.json").is_file():
-            return
-        log.info("building the tiny model and training its tokenizer into %s", out)
-        tokenizer = train_bpe_tokenizer(stdlib_corpus(), self.vocab_size)
-        config = LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, max_position_embeddings=self.max_position_embeddings,
-            tie_word_embeddings=self.tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        )
-        torch.manual_seed(self.seed)
-        model = LlamaForCausalLM(config)
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        with atomic_dir(out) as tmp:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+
+def build_tiny_model(spec: TinyModelSpec, out: Path) -> None:
+    """Train the BPE tokenizer on stdlib-code, build the model from ``spec``'s architecture, save both (atomic)."""
+    tokenizer = train_bpe_tokenizer(stdlib_corpus(), spec.vocab_size)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)

@@ -7,7 +7,6 @@ tokens/s compare like with like) and exact match is not reported."""
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -16,15 +15,13 @@ from tqdm.auto import tqdm
 
 from lit_spec.config import build
 from lit_spec.data.metrics import get_metric, score_answers
-from lit_spec.data.trajectories import RepetitionFilter
-from lit_spec.decoding.base import DECODERS, Decoder, new_tokens
-from lit_spec.decoding.stats import DecodeStats, sync_device
+from lit_spec.data.repetition import RepetitionFilter
 from lit_spec.errors import ConfigError
 from lit_spec.io import write_json
+from lit_spec.measure import HFPeer, build_decoders, compare, decode_prompts, warm_up
+from lit_spec.stages import ensure_stages
 
 log = logging.getLogger(__name__)
-
-HF_PEERS = {"generate": "hf_generate", "assisted": "hf_assisted", "prompt_lookup": "hf_prompt_lookup"}
 
 
 def _device(name: str) -> torch.device:
@@ -37,7 +34,6 @@ def _device(name: str) -> torch.device:
 
 def _load(spec_cfg: DictConfig, device: torch.device):
     spec = build(spec_cfg)
-    spec.prepare()
     spec.validate()
     model = spec.load_model().to(device).eval()
     return spec, model
@@ -55,71 +51,22 @@ def load_prompts(cfg: DictConfig, tokenizer) -> tuple[list[torch.Tensor], list[l
     return [torch.tensor(split[i]["prompt_ids"])[None] for i in range(n)], [split[i]["answer_ids"] for i in range(n)]
 
 
-class HFPeer:
-    """transformers' ``generate`` in one of its modes, timed like our decoders (stats: tokens and wall time)."""
-
-    def __init__(self, mode: str, model, draft, tokenizer, bench: DictConfig):
-        self.name, self.model = HF_PEERS[mode], model
-        self.kwargs = {"do_sample": bench.temperature > 0, "pad_token_id": tokenizer.pad_token_id}
-        if bench.temperature > 0:
-            self.kwargs.update(temperature=bench.temperature, top_p=1.0, top_k=0)
-        if mode == "assisted":
-            if draft is None:
-                raise ConfigError("bench.hf_peers has 'assisted' but no draft model is configured (draft=null)")
-            # a fixed number of draft tokens, like our speculative decoder's gamma (no adaptive schedule/threshold)
-            draft.generation_config.num_assistant_tokens = bench.assistant_tokens
-            draft.generation_config.num_assistant_tokens_schedule = "constant"
-            draft.generation_config.assistant_confidence_threshold = 0.0
-            self.kwargs["assistant_model"] = draft
-        elif mode == "prompt_lookup":
-            self.kwargs["prompt_lookup_num_tokens"] = bench.prompt_lookup_tokens
-
-    @torch.no_grad()
-    def generate(self, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None):
-        sync_device(ids.device)
-        start = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                  eos_token_id=eos_token_id, **self.kwargs)
-        sync_device(ids.device)
-        stats = DecodeStats(wall_time=time.perf_counter() - start)
-        stats.new_tokens = len(new_tokens(out, ids.size(1), eos_token_id))
-        return out, stats
-
-
 def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
-    """Name -> object with ``generate(ids, max_new_tokens, eos_token_id)``: our AR first, then the methods, then
-    transformers' peers."""
-    sampling = {"temperature": cfg.bench.temperature, "seed": cfg.seed} if cfg.bench.temperature > 0 else {}
-    runners: dict = {"ar": DECODERS["ar"](model, pad_token_id=tokenizer.pad_token_id, **sampling)}
-    for name, params in (cfg.get("decoding") or {}).items():
-        params = OmegaConf.to_container(params, resolve=True)
-        method = params.pop("method", name)
-        needs_draft = params.pop("needs_draft", False)
-        if method not in DECODERS:
-            raise ConfigError(f"decoding.{name}: method {method!r} is not available (have {sorted(DECODERS)})")
-        if needs_draft:
-            if draft is None:
-                raise ConfigError(f"decoding.{name} needs a draft model; set draft=... (a model config)")
-            params["draft_model"] = draft
-        params.update(sampling)
-        runners[name] = DECODERS[method](model, pad_token_id=tokenizer.pad_token_id, **params)
-    for mode in cfg.bench.hf_peers or []:
-        if mode not in HF_PEERS:
-            raise ConfigError(f"bench.hf_peers: unknown {mode!r}; choose from {sorted(HF_PEERS)}")
+    """Name -> runner: our AR first, then the methods of the ``decoding`` group, then transformers' peers."""
+    bench, pad = cfg.bench, tokenizer.pad_token_id
+    sampling = {"temperature": bench.temperature, "seed": cfg.seed} if bench.temperature > 0 else {}
+    specs = {"ar": {}, **OmegaConf.to_container(cfg.get("decoding") or {}, resolve=True)}
+    runners: dict = build_decoders(model, specs, draft, pad_token_id=pad, **sampling)
+    for mode in bench.hf_peers or []:
         if mode == "assisted" and draft is None:
             continue
-        runners[HF_PEERS[mode]] = HFPeer(mode, model, draft, tokenizer, cfg.bench)
+        peer = HFPeer(mode, model, draft, pad, bench.temperature, bench.assistant_tokens, bench.prompt_lookup_tokens)
+        runners[peer.name] = peer
     return runners
 
 
-def _decode(runner, ids, max_new_tokens, eos):
-    if isinstance(runner, Decoder):
-        out = runner.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos)
-        return out.sequences, out.stats
-    return runner.generate(ids, max_new_tokens, eos)
-
-
 def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
+    ensure_stages(cfg)  # the target's and the draft's stages: cached, or built now
     torch.manual_seed(cfg.seed)
     device = _device(cfg.bench.device)
     if cfg.bench.get("metric") is not None:
@@ -137,48 +84,19 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     eos, max_new = tokenizer.eos_token_id, cfg.bench.max_new_tokens
     runners = build_runners(cfg, model, draft, tokenizer)
 
-    for name, runner in runners.items():  # warm-up: kernels, allocator, caches
-        for ids in prompts[: cfg.bench.warmup_prompts]:
-            _decode(runner, ids, max_new, eos)
-        if isinstance(runner, Decoder):
-            runner.reset()                    # what a decoder learns across prompts starts with the timed ones
-
-    totals = {name: DecodeStats() for name in runners}
-    outputs: dict[str, list[list[int]]] = {name: [] for name in runners}
+    warm_up(runners, prompts[: cfg.bench.warmup_prompts], max_new, eos)
     with tqdm(total=len(prompts) * len(runners), desc="bench", unit="decode") as bar:
-        for ids in prompts:  # methods interleaved per prompt: slow drifts of the machine hit all alike
-            for name, runner in runners.items():
-                seq, stats = _decode(runner, ids, max_new, eos)
-                totals[name] = totals[name] + stats
-                outputs[name].append(new_tokens(seq, ids.size(1), eos))
-                bar.set_postfix(method=name, tok_s=f"{stats.tokens_per_s:.0f}")
-                bar.update()
+        def progress(name: str, stats) -> None:
+            bar.set_postfix(method=name, tok_s=f"{stats.tokens_per_s:.0f}")
+            bar.update()
 
-    base = totals["ar"].tokens_per_s
+        runs = decode_prompts(runners, prompts, max_new, eos, progress)
+    # sampled outputs differ by chance: token identity is a greedy (temperature 0) check only
+    methods = compare(runs, "ar", exact=not cfg.bench.temperature)
     results = {"model": spec.name_or_path, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
                "num_prompts": len(prompts), "max_new_tokens": max_new, "temperature": cfg.bench.temperature,
-               "methods": {}}
-    for name, stats in totals.items():
-        # sampled outputs differ by chance: token identity is a greedy (temperature 0) check only
-        exact = (sum(o == a for o, a in zip(outputs[name], outputs["ar"])) / len(prompts)
-                 if not cfg.bench.temperature else None)
-        results["methods"][name] = {
-            "tokens_per_s": stats.tokens_per_s, "speedup": stats.tokens_per_s / base if base else 0.0,
-            "mean_accepted": stats.mean_accepted if stats.row_forwards else None,
-            "target_forwards": stats.target_forwards if stats.target_forwards else None,
-            "draft_forwards": stats.draft_forwards, "new_tokens": stats.new_tokens, "wall_time": stats.wall_time,
-            "acceptance_rate": stats.acceptance_rate if stats.drafted_tokens else None,
-            "fast_forwarded": stats.fast_forwarded, "stationary": stats.stationary, "exact_match": exact,
-            "forward_time": stats.forward_time, "draft_time": stats.draft_time,
-            "engine_overhead": stats.engine_overhead if stats.forward_time else None,
-            "ms_per_forward": 1e3 * stats.forward_time / stats.target_forwards if stats.forward_time else None,
-        }
-    # what a method's target forward (its block of tokens) costs against AR's one-token forward: the hardware's share
-    # of speedup / τ, next to the engine's (engine_overhead)
-    ar_ms = results["methods"]["ar"]["ms_per_forward"]
-    for m in results["methods"].values():
-        m["forward_cost"] = m["ms_per_forward"] / ar_ms if ar_ms and m["ms_per_forward"] else None
-    results["quality"] = answer_quality(outputs["ar"], references, tokenizer, cfg.bench.get("metric"))
+               "methods": methods}
+    results["quality"] = answer_quality(runs["ar"].outputs, references, tokenizer, cfg.bench.get("metric"))
     write_report(results, out_dir)
     return results
 

@@ -1,5 +1,5 @@
-"""``medusa`` and ``chimera``: tree-verified decoding whose candidates come from draft heads on the target
-(``lit_spec.models.heads``). Greedy verification (``tree``) makes both lossless whatever the heads predict.
+"""Draft heads (Chimera, Medusa), decoding part (the models/ and methods/ files of this name build and train them):
+``medusa`` and ``chimera``, tree-verified decoding whose candidates come from draft heads on the target. Greedy verification (``tree``) makes both lossless whatever the heads predict.
 
 Each step the heads read the target's last-layer hidden states of the verified prefix (``DecodeState.hidden``, no
 extra target forward) and give the top-k tokens of the next ``depth`` positions after the pending token; the static
@@ -9,7 +9,7 @@ tree (``TreeSpec``) is built from them and verified in one target forward.
 - Chimera: the full-context block attends to the keys/values of every base state and n-gram state so far (kept
   across steps, computed once per token) and runs once per depth: the query of depth 1 is the n-gram of the pending
   token, the query of depth d+1 the n-gram that ends with depth d's top-1 token (the training mask's view,
-  ``models.heads.full_context_mask``). n-gram states come through the LRU ``NGramCache`` (``ngram_cache`` entries;
+  ``models.chimera.full_context_mask``). n-gram states come through the LRU ``NGramCache`` (``ngram_cache`` entries;
   0 disables it).
 """
 
@@ -25,7 +25,9 @@ from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.stats import sync_device
 from lit_spec.decoding.tree import TreeDecoder
 from lit_spec.errors import ConfigError, check_count
-from lit_spec.models.heads import ChimeraDraft, DraftHeads, MedusaHeads, NGramCache, load_heads
+from lit_spec.models.chimera import ChimeraDraft, NGramCache
+from lit_spec.models.draft_heads import DraftHeads, MedusaHeads
+from lit_spec.models.saved_heads import load_heads
 
 
 def _count_draft(state: DecodeState, start: float, calls: int) -> None:
@@ -90,13 +92,13 @@ class ChimeraCandidates:
         return torch.stack(top)
 
 
-def _check_depth(heads: DraftHeads, decoder: TreeDecoder) -> None:
+def check_depth(heads: DraftHeads, decoder: TreeDecoder) -> None:
     if decoder.spec.depth > heads.num_heads:
         raise ConfigError(f"{decoder.name}: the tree is {decoder.spec.depth} deep but the heads predict "
                           f"{heads.num_heads} positions: use a tree of depth <= {heads.num_heads}")
 
 
-def _heads(heads, kind: type, model) -> DraftHeads:
+def load_draft(heads, kind: type, model) -> DraftHeads:
     """``heads`` (a module or a ``save_heads`` directory) checked against the kind and the base it drafts for."""
     if isinstance(heads, (str, bytes)) or hasattr(heads, "__fspath__"):
         heads = load_heads(heads)[0].to(model.device)
@@ -116,9 +118,9 @@ class MedusaDecoder(TreeDecoder):
     record_hidden = True
 
     def __init__(self, model, heads, tree=(3, 2, 1, 1), **kwargs):
-        self.heads = _heads(heads, MedusaHeads, model)
+        self.heads = load_draft(heads, MedusaHeads, model)
         super().__init__(model, tree=tree, candidates=MedusaCandidates(self.heads), **kwargs)
-        _check_depth(self.heads, self)
+        check_depth(self.heads, self)
 
 
 @register("chimera")
@@ -129,10 +131,10 @@ class ChimeraDecoder(TreeDecoder):
     record_hidden, needs_draft = True, False
 
     def __init__(self, model, heads, tree=(3, 2, 1, 1), ngram_cache: int = 4096, **kwargs):
-        self.heads = _heads(heads, ChimeraDraft, model)
+        self.heads = load_draft(heads, ChimeraDraft, model)
         ngram_cache = check_count("ngram_cache", ngram_cache, minimum=0)   # 0 disables the cache
         super().__init__(model, tree=tree, **kwargs)
-        _check_depth(self.heads, self)
+        check_depth(self.heads, self)
         self.cache = NGramCache(ngram_cache)      # kept across decodes: n-gram states do not depend on context
 
     def new_candidates(self, state: DecodeState) -> ChimeraCandidates:

@@ -1,4 +1,5 @@
-"""``method=chimera`` and ``method=medusa``: draft heads trained on a frozen base (Chimera §4.2; Medusa-1).
+"""Draft heads (Chimera, Medusa), methods part (the models/ and decoding/ files of this name build them and decode
+with them): ``method=chimera`` and ``method=medusa``, draft heads trained on a frozen base (Chimera §4.2; Medusa-1).
 
 Every batch runs the frozen base once, without gradient, for its last hidden states H_LLM and its own next-token
 predictions; the heads are trained on them:
@@ -10,7 +11,7 @@ predictions; the heads are trained on them:
 Labels ``labels=base`` (self-distillation, the default): y_{n+2+k} is the base's greedy token after the true prefix
 x_<=n+1+k — what verification accepts; ``labels=data``: the dataset's token. Validation logs each head's top-1..5
 accuracy (Table 5's metric) and loss. Only the heads are trainable, checkpointed and exported (safetensors + a
-config naming the base: ``lit_spec.models.heads.save_heads``); ``decoders()`` offers the tree decoder they draft for.
+config naming the base: ``lit_spec.models.saved_heads.save_heads``); ``decoders()`` offers the tree decoder they draft for.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from lit_spec.data import IGNORE_INDEX
-from lit_spec.decoding.heads import ChimeraDecoder, MedusaDecoder
+from lit_spec.decoding.draft_heads import ChimeraDecoder, MedusaDecoder
 from lit_spec.decoding.tree import TreeSpec
 from lit_spec.errors import ConfigError, check_count
-from lit_spec.methods.base import MethodModule
-from lit_spec.models.heads import ChimeraDraft, DraftHeads, MedusaHeads, save_heads
+from lit_spec.methods.frozen_base import FrozenBaseModule
+from lit_spec.models.chimera import ChimeraDraft
+from lit_spec.models.draft_heads import DraftHeads, MedusaHeads
 
 LABELS = ("base", "data")
 TOP_K = (1, 2, 3, 4, 5)
@@ -38,51 +40,33 @@ def head_targets(input_ids: torch.Tensor, answer: torch.Tensor, base_next: torch
     return target, answer[:, k + 2:]
 
 
-class HeadsModule(MethodModule):
+def check_tree(tree, depth: int, what: str) -> list:
+    """The static tree of a heads method's decoder, no deeper than the positions its heads draft."""
+    spec = TreeSpec.parse(list(tree))
+    if spec.depth > depth:
+        raise ConfigError(f"method.tree is {spec.depth} deep but {what}: the heads draft {depth} positions")
+    return list(tree)
+
+
+class HeadsModule(FrozenBaseModule):
     """Shared by Chimera and Medusa. Args (besides ``MethodModule``'s):
         num_heads: K, the heads (positions drafted after the base's next token).
         labels: ``base`` (self-distillation) or ``data``.
         tree: the static tree of ``decoders()`` (top-k per depth, or Medusa-style paths); depth <= K.
     """
 
-    heads: DraftHeads | None
-
     def __init__(self, model_spec, num_heads: int = 4, labels: str = "base", tree=(3, 2, 1, 1), **kwargs):
         check_count("method.num_heads", num_heads)
         if labels not in LABELS:
             raise ConfigError(f"method.labels={labels!r}: choose one of {list(LABELS)}")
-        spec = TreeSpec.parse(list(tree))
-        if spec.depth > num_heads:
-            raise ConfigError(f"method.tree is {spec.depth} deep but method.num_heads={num_heads}: the heads draft "
-                              f"{num_heads} positions")
-        super().__init__(model_spec, num_heads=num_heads, labels=labels, tree=list(tree), **kwargs)
-        self.heads = None
-        self.strict_loading = False        # checkpoints hold the heads only (``on_save_checkpoint``)
+        tree = check_tree(tree, num_heads, f"method.num_heads={num_heads}")
+        super().__init__(model_spec, num_heads=num_heads, labels=labels, tree=tree, **kwargs)
 
     def build_heads(self, config) -> DraftHeads:
         raise NotImplementedError
 
-    def configure_model(self) -> None:
-        if self.model is None:
-            self.model = self.model_spec.load_model().eval().requires_grad_(False)   # frozen, embeddings included
-        if self.heads is None:
-            self.heads = self.build_heads(self.model.config).init_from_base(self.model).to(self.model.device)
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        if self.model is not None:
-            self.model.eval()              # the frozen base never trains (no dropout)
-        return self
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("model.")}
-
-    def export(self, directory, state_dict: dict | None = None) -> None:
-        """Only the heads (``save_heads``): safetensors + heads.json naming the base model."""
-        if state_dict is not None:
-            self.heads.load_state_dict({k.removeprefix("heads."): v for k, v in state_dict.items()
-                                        if k.startswith("heads.")})
-        save_heads(self.heads, directory, self.model_spec.to_dict())
+    def build_trainable(self) -> DraftHeads:
+        return self.build_heads(self.model.config).init_from_base(self.model).to(self.model.device)
 
     # ---- losses ---------------------------------------------------------------------------------------------
     def _base(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,12 +120,6 @@ class HeadsModule(MethodModule):
             if where.any():
                 terms.append(F.mse_loss(state[where].float(), hidden[:, k + 1: k + 1 + m][where].float()))
         return torch.stack(terms).mean() if terms else hidden.new_zeros(())
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "train")
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self._step(batch, "val")
 
 
 class ChimeraModule(HeadsModule):

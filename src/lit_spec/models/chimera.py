@@ -1,11 +1,4 @@
-"""Draft heads on a frozen base LLM: Chimera's lightweight draft model and the Medusa-1 baseline heads.
-
-Both read the base's last-layer hidden states (the ones its LM head reads) and predict the tokens after the base's
-own next token: for a prefix of n tokens the base predicts token n+1 and head k (k = 0..K-1) token n+2+k. They own
-only their parameters; the base, embeddings and LM head included, is frozen and never saved with them
-(``save_heads`` / ``load_heads``).
-
-Chimera (Zeng et al. 2024, §4.1). The paper leaves open which states eq. 3-4 may read at decoding time; the
+"""Chimera's lightweight draft model (Zeng et al. 2024, §4.1). The paper leaves open which states eq. 3-4 may read at decoding time; the
 reading implemented here is leak-free and the same in training and decoding:
 - n-gram encoder (eq. 2): ``h_tri_i = W2 SiLU(W1 [x_{i-g+1}; ...; x_i])`` over the base's embeddings (g = 3: the
   trigram encoder); the first tokens of a sequence get zeros for the embeddings they lack (the paper's collapsed
@@ -21,112 +14,19 @@ reading implemented here is leak-free and the same in training and decoding:
   Medusa's ResBlock, and a vocabulary projection initialised from the base's LM head.
 - an LRU n-gram cache for decoding (§4.1.1): n-gram states by token ids; a hit skips the encoder.
 
-Medusa-1 (Cai et al. 2024): head k = vocabulary projection (initialised from the base's LM head) of a ResBlock
-(initialised to the identity) of ``h_LLM_n``.
+Draft heads (Chimera, Medusa), models part: the shared head parts are in ``models/draft_heads.py``.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 from collections import OrderedDict
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lit_spec.errors import ConfigError, check_count
-from lit_spec.io import atomic_dir, write_json
-
-WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
-
-
-class ResBlock(nn.Module):
-    """Medusa's ``x + SiLU(Wx + b)``, W zero-initialised so that a new head starts as the base's LM head."""
-
-    def __init__(self, size: int):
-        super().__init__()
-        self.linear = nn.Linear(size, size)
-        nn.init.zeros_(self.linear.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.silu(self.linear(x))
-
-
-class DecodingHead(nn.Module):
-    """Linear(in -> d) (absent when in == d; initialised to pass the first d inputs through), ResBlock,
-    Linear(d -> V)."""
-
-    def __init__(self, in_size: int, hidden_size: int, vocab_size: int):
-        super().__init__()
-        self.proj = nn.Identity()
-        if in_size != hidden_size:
-            self.proj = nn.Linear(in_size, hidden_size, bias=False)
-            with torch.no_grad():
-                self.proj.weight.zero_()
-                self.proj.weight[:, :hidden_size].copy_(torch.eye(hidden_size))
-        self.block = ResBlock(hidden_size)
-        self.out = nn.Linear(hidden_size, vocab_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.block(self.proj(x)))
-
-
-HEADS: dict[str, type["DraftHeads"]] = {}   # kind -> class, for ``load_heads`` (filled by subclassing)
-
-
-class DraftHeads(nn.Module):
-    """What Chimera's draft, Medusa's heads and Hidden Transfer's maps share: K heads, their config, initialisation
-    from the base. Every subclass registers its ``kind`` for ``load_heads``."""
-
-    kind = "heads"
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        HEADS[cls.kind] = cls
-
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int):
-        super().__init__()
-        self.hidden_size = check_count("hidden_size", hidden_size)
-        self.vocab_size = check_count("vocab_size", vocab_size)
-        self.num_heads = check_count("num_heads", num_heads)
-
-    @property
-    def config(self) -> dict:
-        return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "num_heads": self.num_heads}
-
-    def init_from_base(self, base) -> "DraftHeads":
-        """Copy the base's LM head into every head's vocabulary projection (as Medusa does)."""
-        weight = base.get_output_embeddings().weight
-        if tuple(weight.shape) != (self.vocab_size, self.hidden_size):
-            raise ConfigError(f"heads for hidden size {self.hidden_size} and vocabulary {self.vocab_size} do not fit "
-                              f"a base whose LM head is {tuple(weight.shape)}")
-        with torch.no_grad():
-            for head in self.heads:
-                head.out.weight.copy_(weight)
-        return self
-
-
-class MedusaHeads(DraftHeads):
-    """Medusa-1: head k predicts token n+2+k from ``h_LLM_n`` alone."""
-
-    kind = "medusa"
-
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4):
-        super().__init__(hidden_size, vocab_size, num_heads)
-        self.heads = nn.ModuleList(DecodingHead(hidden_size, hidden_size, vocab_size) for _ in range(num_heads))
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., d] base states -> [..., K, V] logits of tokens n+2..n+1+K."""
-        return torch.stack([head(hidden) for head in self.heads], dim=-2)
-
-    def head_inputs(self, embeds: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor):
-        """Head k's inputs at every prefix end n in [0, T-k-2) ([B, T-k-2, d]; ``heads[k]`` of them predicts token
-        n+2+k); no full-context states."""
-        t = hidden.size(1)
-        return [hidden[:, : t - k - 2] for k in range(self.num_heads)], None
+from lit_spec.models.draft_heads import DecodingHead, DraftHeads
 
 
 class FullContextBlock(nn.Module):
@@ -268,30 +168,3 @@ class NGramCache:
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
         return torch.stack(rows)
-
-
-def save_heads(heads: DraftHeads, directory: str | Path, base_model: dict) -> Path:
-    """Write the heads' parameters (safetensors) and ``heads.json`` (kind, config, the base model's spec) into
-    ``directory``, atomically."""
-    directory = Path(directory)
-    with atomic_dir(directory) as tmp:
-        state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS))
-        write_json(tmp / CONFIG, {"kind": heads.kind, "config": heads.config, "base_model": base_model})
-    return directory
-
-
-def load_heads(directory: str | Path) -> tuple[DraftHeads, dict]:
-    """(heads, base model spec dict) from ``save_heads``' directory; put the heads on the base's device."""
-    directory = Path(directory)
-    if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
-        raise ConfigError(f"{directory}: no draft heads there (expected {CONFIG} and {WEIGHTS}, written by a "
-                          "method=chimera, medusa or hidden_transfer run's export_dir)")
-    meta = json.loads((directory / CONFIG).read_text())
-    importlib.import_module("lit_spec.models.hidden_transfer")   # defines (so registers) a kind; imports this module
-
-    if meta.get("kind") not in HEADS:
-        raise ConfigError(f"{directory / CONFIG}: unknown heads kind {meta.get('kind')!r} (have {sorted(HEADS)})")
-    heads = HEADS[meta["kind"]](**meta["config"])
-    heads.load_state_dict(load_file(str(directory / WEIGHTS)))
-    return heads.eval(), meta["base_model"]

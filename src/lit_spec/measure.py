@@ -1,0 +1,148 @@
+"""Measuring decoders, the one place for it: the bench (``lit_spec.benchmark``) and the training speedup callback
+(``lit_spec.callbacks.speedup``) both build decoders from ``{name: params}``, decode the same prompts one at a time,
+sum the stats and compare every method with the AR baseline (speedup, τ, exact match).
+
+A *runner* is anything with ``generate(ids, max_new_tokens, eos_token_id) -> DecodeOutput``: our decoders, and
+``HFPeer`` (transformers' own ``generate`` in one of its modes, timed the same way).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from lit_spec.decoding import DECODERS, DecodeOutput, DecodeStats, Decoder, new_tokens
+from lit_spec.decoding.stats import sync_device
+from lit_spec.errors import ConfigError
+
+HF_PEERS = {"generate": "hf_generate", "assisted": "hf_assisted", "prompt_lookup": "hf_prompt_lookup"}
+# extras a decoder may return (key -> metric name), averaged over prompts
+EXTRAS = {"fast_forward_count": "fast_forward", "stationary_count": "stationary"}
+
+
+def build_decoders(model, specs: dict[str, dict], draft=None, **common) -> dict[str, Decoder]:
+    """``{name: params}`` -> ``{name: DECODERS[method](model, **params, **common)}``. A ``method`` key in params picks
+    the decoder under another name (``{jacobi32: {method: jacobi, n_tokens: 32}}``); ``needs_draft: true`` passes
+    ``draft`` as its ``draft_model``."""
+    decoders = {}
+    for name, params in specs.items():
+        params = dict(params or {})
+        method = params.pop("method", name)
+        if method not in DECODERS:
+            raise ConfigError(f"decoder {name!r}: method {method!r} is not available (have {sorted(DECODERS)})")
+        if params.pop("needs_draft", False):
+            if draft is None:
+                raise ConfigError(f"decoder {name!r} needs a draft model; set draft=... (a model config)")
+            params["draft_model"] = draft
+        decoders[name] = DECODERS[method](model, **params, **common)
+    return decoders
+
+
+class HFPeer:
+    """transformers' ``generate`` in one of its modes (``HF_PEERS``), timed like our decoders (tokens, wall time)."""
+
+    def __init__(self, mode: str, model, draft=None, pad_token_id: int | None = None, temperature: float = 0.0,
+                 assistant_tokens: int = 4, prompt_lookup_tokens: int = 10):
+        if mode not in HF_PEERS:
+            raise ConfigError(f"bench.hf_peers: unknown {mode!r}; choose from {sorted(HF_PEERS)}")
+        self.name, self.model = HF_PEERS[mode], model
+        self.kwargs = {"do_sample": temperature > 0, "pad_token_id": pad_token_id}
+        if temperature > 0:
+            self.kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
+        if mode == "assisted":
+            if draft is None:
+                raise ConfigError("bench.hf_peers has 'assisted' but no draft model is configured (draft=null)")
+            # a fixed number of draft tokens, like our speculative decoder's gamma (no adaptive schedule/threshold)
+            draft.generation_config.num_assistant_tokens = assistant_tokens
+            draft.generation_config.num_assistant_tokens_schedule = "constant"
+            draft.generation_config.assistant_confidence_threshold = 0.0
+            self.kwargs["assistant_model"] = draft
+        elif mode == "prompt_lookup":
+            self.kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
+
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> DecodeOutput:
+        sync_device(ids.device)
+        start = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  eos_token_id=eos_token_id, **self.kwargs)
+        sync_device(ids.device)
+        stats = DecodeStats(wall_time=time.perf_counter() - start)
+        stats.new_tokens = len(new_tokens(out, ids.size(1), eos_token_id))
+        return DecodeOutput(out, stats)
+
+    def reset(self) -> None:
+        """Nothing carries over between calls."""
+
+
+@dataclass
+class Run:
+    """One runner over all prompts: the new tokens of each (up to and including EOS), summed stats, extras."""
+    outputs: list[list[int]] = field(default_factory=list)
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    extras: list[dict] = field(default_factory=list)
+
+
+def warm_up(runners: dict, prompts: list[torch.Tensor], max_new_tokens: int, eos) -> None:
+    """Decode ``prompts`` with every runner (kernels, allocator, caches), then ``reset()`` what a runner learns
+    across prompts, so warm-up prompts teach nothing."""
+    for runner in runners.values():
+        for ids in prompts:
+            runner.generate(ids, max_new_tokens, eos)
+        runner.reset()
+
+
+def decode_prompts(runners: dict, prompts: list[torch.Tensor], max_new_tokens: int, eos,
+                   on_decode: Callable[[str, DecodeStats], None] | None = None) -> dict[str, Run]:
+    """Every prompt (batch size 1) by every runner, runners interleaved per prompt so that slow drifts of the machine
+    hit all alike."""
+    runs = {name: Run() for name in runners}
+    for ids in prompts:
+        for name, runner in runners.items():
+            out = runner.generate(ids, max_new_tokens, eos)
+            run = runs[name]
+            run.outputs.append(new_tokens(out.sequences, ids.size(1), eos))
+            run.stats = run.stats + out.stats
+            run.extras.append(out.extras)
+            if on_decode is not None:
+                on_decode(name, out.stats)
+    return runs
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def compare(runs: dict[str, Run], baseline: str = "ar", exact: bool = True) -> dict[str, dict]:
+    """Per runner: tokens/s, speedup over ``baseline``'s tokens/s, τ (mean tokens accepted per target forward),
+    forwards and times, exact match with ``baseline``'s outputs (share of prompts token-identical; ``exact=False``,
+    e.g. when sampling: None), what a target forward costs against the baseline's (the hardware's share of
+    speedup / τ) and the engine overhead (the engine's share), and the decoder's averaged extras."""
+    base = runs[baseline]
+    results = {}
+    for name, run in runs.items():
+        s = run.stats
+        m = {"tokens_per_s": s.tokens_per_s,
+             "speedup": s.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else 0.0,
+             "mean_accepted": s.mean_accepted if s.row_forwards else None,
+             "target_forwards": s.target_forwards or None, "draft_forwards": s.draft_forwards,
+             "new_tokens": s.new_tokens, "wall_time": s.wall_time,
+             "acceptance_rate": s.acceptance_rate if s.drafted_tokens else None,
+             "fast_forwarded": s.fast_forwarded, "stationary": s.stationary,
+             "exact_match": mean(o == a for o, a in zip(run.outputs, base.outputs)) if exact else None,
+             "forward_time": s.forward_time, "draft_time": s.draft_time,
+             "engine_overhead": s.engine_overhead if s.forward_time else None,
+             "ms_per_forward": 1e3 * s.forward_time / s.target_forwards if s.forward_time else None}
+        for key, metric in EXTRAS.items():
+            values = [float(e[key]) for e in run.extras if key in e]
+            if values:
+                m[metric] = mean(values)
+        results[name] = m
+    base_ms = results[baseline]["ms_per_forward"]
+    for m in results.values():
+        m["forward_cost"] = m["ms_per_forward"] / base_ms if base_ms and m["ms_per_forward"] else None
+    return results

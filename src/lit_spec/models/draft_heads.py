@@ -1,0 +1,98 @@
+"""Draft heads (Chimera, Medusa), models part (the methods/ and decoding/ files of this name train and decode them):
+what Chimera's lightweight draft (``models/chimera.py``) and the Medusa-1 baseline heads share, and Medusa's heads.
+
+Both read the base's last-layer hidden states (the ones its LM head reads) and predict the tokens after the base's
+own next token: for a prefix of n tokens the base predicts token n+1 and head k (k = 0..K-1) token n+2+k. They own
+only their parameters; the base, embeddings and LM head included, is frozen and never saved with them
+(``save_heads`` / ``load_heads``).
+
+Medusa-1 (Cai et al. 2024): head k = vocabulary projection (initialised from the base's LM head) of a ResBlock
+(initialised to the identity) of ``h_LLM_n``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lit_spec.errors import ConfigError, check_count
+
+
+class ResBlock(nn.Module):
+    """Medusa's ``x + SiLU(Wx + b)``, W zero-initialised so that a new head starts as the base's LM head."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.linear = nn.Linear(size, size)
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class DecodingHead(nn.Module):
+    """Linear(in -> d) (absent when in == d; initialised to pass the first d inputs through), ResBlock,
+    Linear(d -> V)."""
+
+    def __init__(self, in_size: int, hidden_size: int, vocab_size: int):
+        super().__init__()
+        self.proj = nn.Identity()
+        if in_size != hidden_size:
+            self.proj = nn.Linear(in_size, hidden_size, bias=False)
+            with torch.no_grad():
+                self.proj.weight.zero_()
+                self.proj.weight[:, :hidden_size].copy_(torch.eye(hidden_size))
+        self.block = ResBlock(hidden_size)
+        self.out = nn.Linear(hidden_size, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.proj(x)))
+
+
+class DraftHeads(nn.Module):
+    """What Chimera's draft, Medusa's heads and Hidden Transfer's maps share: K heads, their config, initialisation
+    from the base; ``kind`` names the class in ``heads.json`` (``models/saved_heads.py``)."""
+
+    kind = "heads"
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int):
+        super().__init__()
+        self.hidden_size = check_count("hidden_size", hidden_size)
+        self.vocab_size = check_count("vocab_size", vocab_size)
+        self.num_heads = check_count("num_heads", num_heads)
+
+    @property
+    def config(self) -> dict:
+        return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "num_heads": self.num_heads}
+
+    def init_from_base(self, base) -> "DraftHeads":
+        """Copy the base's LM head into every head's vocabulary projection (as Medusa does)."""
+        weight = base.get_output_embeddings().weight
+        if tuple(weight.shape) != (self.vocab_size, self.hidden_size):
+            raise ConfigError(f"heads for hidden size {self.hidden_size} and vocabulary {self.vocab_size} do not fit "
+                              f"a base whose LM head is {tuple(weight.shape)}")
+        with torch.no_grad():
+            for head in self.heads:
+                head.out.weight.copy_(weight)
+        return self
+
+
+class MedusaHeads(DraftHeads):
+    """Medusa-1: head k predicts token n+2+k from ``h_LLM_n`` alone."""
+
+    kind = "medusa"
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4):
+        super().__init__(hidden_size, vocab_size, num_heads)
+        self.heads = nn.ModuleList(DecodingHead(hidden_size, hidden_size, vocab_size) for _ in range(num_heads))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., d] base states -> [..., K, V] logits of tokens n+2..n+1+K."""
+        return torch.stack([head(hidden) for head in self.heads], dim=-2)
+
+    def head_inputs(self, embeds: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor):
+        """Head k's inputs at every prefix end n in [0, T-k-2) ([B, T-k-2, d]; ``heads[k]`` of them predicts token
+        n+2+k); no full-context states."""
+        t = hidden.size(1)
+        return [hidden[:, : t - k - 2] for k in range(self.num_heads)], None

@@ -1,0 +1,212 @@
+"""A run's stages: what a run needs built before it starts, each cached under a hashed key, built once, in order.
+
+``run_training``, ``run_collection`` and ``run_benchmark`` call ``ensure_stages(cfg)`` before they build anything. It
+finds every stage the config names (a stage's own stages first), logs one line per stage (cached at PATH, or building
+and why), builds what is missing, and writes each output path into the config (``model.name_or_path``,
+``data.path``): model specs and datamodules only read paths. ``python -m lit_spec.stages`` does the same without a run.
+
+The stages (each ``cache_dir/<name>-<key>``, the key a ``config_hash`` of what the output depends on, null-valued
+options left out):
+
+- ``tiny_base`` (``model=tiny``, ``TinyModelSpec``): a randomly initialised tiny Llama and a BPE tokenizer trained on
+  stdlib-code; keyed by the architecture.
+- ``<experiment>`` (``StageModelSpec``: ``model=tiny_target``, ``tiny_draft``): the model that ``+experiment=<stage>``
+  trains and exports; keyed by that composed config's model, data, method, trainer and seed. Built by
+  ``run_training`` in ``cache_dir/runs/<name>-<key>``, where an interrupted build resumes from its last checkpoint.
+- ``trajectories`` (``data=trajectories`` with ``data.path`` null): Jacobi trajectories collected by
+  ``run_collection`` with ``conf/collect.yaml`` + ``data.collect``; keyed by its model, data, collect and seed
+  (processes and strategy do not change the output); resumable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import hydra
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from lit_spec.config import build, cache_entry, compose_config, config_dir, config_hash
+from lit_spec.data.trajectories import META, read_meta
+from lit_spec.data.trajectory_data import TrajectoryDataModule
+from lit_spec.errors import ConfigError, LitSpecError
+from lit_spec.models import StageModelSpec, TinyModelSpec
+from lit_spec.models.tiny import build_tiny_model
+
+log = logging.getLogger(__name__)
+
+EXPERIMENT_GROUPS = ("model", "data", "method", "trainer", "seed")   # what an experiment stage's key hashes
+COLLECT_GROUPS = ("model", "data", "collect", "seed")                # what a trajectory collection's key hashes
+
+
+@dataclass
+class Stage:
+    """One cached build: ``name`` (``<kind>-<key>``), the config that builds it (null for a leaf), its output
+    directory, how to build it, whether it is there (``built``) or half there (``started``: a resumed build), and
+    what must hold before it is built (``check``: raises, before any stage is built)."""
+
+    name: str
+    config: DictConfig | None
+    output: Path
+    build: Callable[[], object]
+    built: Callable[[], bool]
+    started: Callable[[], bool]
+    check: Callable[[], None] = lambda: None
+
+    def status(self) -> str:
+        return "cached" if self.built() else "interrupted earlier: resuming" if self.started() else "not cached"
+
+
+# ---- the three kinds of stage ---------------------------------------------------------------------------------------
+def tiny_model_stage(node: DictConfig) -> Stage:
+    spec = build(node)
+    out = cache_entry(node.cache_dir, f"tiny_base-{config_hash(spec.architecture())}")
+    return Stage(out.name, None, out, partial(build_tiny_model, spec, out), (out / "config.json").is_file,
+                 lambda: False)
+
+
+def experiment_stage(node: DictConfig) -> Stage:
+    cfg = compose_config([f"+experiment={node.stage}", f"paths.cache_dir={node.cache_dir}"])
+    out = cache_entry(node.cache_dir, f"{node.stage}-{config_hash(OmegaConf.masked_copy(cfg, list(EXPERIMENT_GROUPS)))}")
+    runs = out.parent / "runs" / out.name
+    with open_dict(cfg):
+        cfg.paths.output_dir, cfg.export_dir = str(runs), str(out)
+    return Stage(out.name, cfg, out, partial(run_training_stage, cfg), (out / "config.json").is_file,
+                 lambda: any(runs.glob("checkpoints/*.ckpt")))
+
+
+def trajectories_stage(node: DictConfig) -> Stage:
+    if not node.get("collect"):
+        raise ConfigError("data=trajectories: set data.path (a collected directory) or data.collect (overrides "
+                          "for conf/collect.yaml)")
+    overrides = list(node.collect)
+    cfg = compose_config(overrides, config_name="collect")
+    hashed = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k in COLLECT_GROUPS}
+    hashed["collect"].pop("out_dir", None)
+    out = cache_entry(node.cache_dir, f"trajectories-{config_hash(hashed)}")
+    with open_dict(cfg):
+        cfg.collect.out_dir = str(out)
+        cfg.paths.output_dir = str(out)  # the trainer's default_root_dir (nothing is written there in predict)
+    meta = out / META
+    return Stage(out.name, cfg, out, partial(run_collection_stage, cfg), lambda: _complete(out), meta.is_file,
+                 partial(_one_process, cfg, overrides))
+
+
+KINDS: dict[type, Callable[[DictConfig], Stage]] = {
+    TinyModelSpec: tiny_model_stage, StageModelSpec: experiment_stage, TrajectoryDataModule: trajectories_stage}
+OUTPUT_KEY = {TinyModelSpec: "name_or_path", StageModelSpec: "name_or_path", TrajectoryDataModule: "path"}
+
+
+def run_training_stage(cfg: DictConfig) -> None:
+    from lit_spec.training import run_training
+
+    run_training(cfg)
+
+
+def run_collection_stage(cfg: DictConfig) -> None:
+    from lit_spec.collection import run_collection
+
+    run_collection(cfg)
+
+
+def _one_process(cfg: DictConfig, overrides: list[str]) -> None:
+    """A collection inside another command runs in its one process; a multi-process one is a job of its own."""
+    trainer, processes = cfg.trainer, int(os.environ.get("WORLD_SIZE", "1"))
+    if trainer.get("devices", 1) != 1 or trainer.get("num_nodes", 1) != 1 or processes > 1:
+        raise ConfigError(
+            f"the trajectories of data.collect={overrides} are not collected yet, and this run would collect them "
+            f"with several processes (collect devices={trainer.get('devices')}, num_nodes={trainer.get('num_nodes')};"
+            f" training processes: {processes}); collect them first with\n  python -m lit_spec.collect "
+            f"{' '.join(overrides)} collect.out_dir={cfg.collect.out_dir}\n(resumable), then run this command again: "
+            "it finds them there")
+
+
+def _complete(out: Path) -> bool:
+    return (out / META).is_file() and bool(read_meta(out).get("complete"))
+
+
+# ---- finding and building ---------------------------------------------------------------------------------------------
+def _kind(node: DictConfig) -> type | None:
+    """The stage kind a config node builds (by its ``_target_``); a data node with a path is no stage."""
+    target = node.get("_target_")
+    if not isinstance(target, str) or not target.startswith("lit_spec."):
+        return None
+    cls = get_class(target)
+    kind = next((k for k in KINDS if issubclass(cls, k)), None)
+    if kind is TrajectoryDataModule and node.get("path") is not None:
+        return None
+    return kind
+
+
+def _target_paths(tree, path: str = "") -> list[str]:
+    """Dotted paths of every node with a ``_target_`` in a plain (unresolved) config tree, parents first."""
+    if not isinstance(tree, dict):
+        return []
+    here = [path.rstrip(".")] if "_target_" in tree else []
+    return here + [p for key, value in tree.items() if key != "hydra" for p in _target_paths(value, f"{path}{key}.")]
+
+
+def find_stages(cfg: DictConfig) -> list[Stage]:
+    """Every stage ``cfg`` (a whole config, or one node of it such as ``cfg.model``) names, each once, a stage's own stages before it; each stage's output path is written
+    into its node (``open_dict``), so what ``cfg`` builds afterwards reads the cached output."""
+    stages: dict[Path, Stage] = {}
+    for path in _target_paths(OmegaConf.to_container(cfg, resolve=False)):
+        node = OmegaConf.select(cfg, path) if path else cfg
+        kind = _kind(node)
+        if kind is None:
+            continue
+        stage = KINDS[kind](node)          # the key is computed before nested stages fill in their paths
+        for found in [*(find_stages(stage.config) if stage.config is not None else []), stage]:
+            stages.setdefault(found.output, found)
+        with open_dict(node):
+            node[OUTPUT_KEY[kind]] = str(stage.output)
+    return list(stages.values())
+
+
+def build_stages(stages: list[Stage]) -> list[Stage]:
+    """Build every stage that is not cached, in order, logging one line per stage; every missing stage's check runs
+    before the first build."""
+    missing = [stage for stage in stages if not stage.built()]
+    for stage in missing:
+        stage.check()
+    for stage in stages:
+        if stage not in missing:
+            log.info("stage %s: cached at %s", stage.name, stage.output)
+            continue
+        log.info("stage %s: building into %s (%s)", stage.name, stage.output, stage.status())
+        stage.build()
+    return stages
+
+
+def ensure_stages(cfg: DictConfig) -> list[Stage]:
+    """``cfg``'s stages found (paths filled in) and built where missing."""
+    return build_stages(find_stages(cfg))
+
+
+def describe(stages: list[Stage]) -> str:
+    return "\n".join(f"{s.name:<32} {s.status():<30} {s.output}" for s in stages) or "(no stages)"
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
+def main(cfg: DictConfig) -> None:
+    """``python -m lit_spec.stages [overrides]``: list a config's stages, then build the missing ones (``+list=true``:
+    list only). ``--config-name bench`` or ``collect`` for those commands' configs."""
+    try:
+        stages = find_stages(cfg)
+        print(describe(stages))
+        if not cfg.get("list"):
+            build_stages(stages)
+            print(describe(stages))
+    except LitSpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
