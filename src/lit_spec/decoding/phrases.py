@@ -3,7 +3,8 @@ LRU. Lookahead decoding collects its window's n-grams in one (one pool per decod
 drafts and harvests verification results with one that outlives a decode (warm start, §3.4) and can be saved.
 
 A phrase is stored as its key token and its *continuation* (the tokens after the key): ``get(key)`` returns
-continuations, most recently added or refreshed first.
+continuations, most recently added or refreshed first. ``ngram_continuation`` finds phrases without a pool: what
+followed the latest earlier occurrence of a sequence's own last n-gram (prompt lookup decoding's drafts).
 """
 
 from __future__ import annotations
@@ -16,6 +17,20 @@ from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json
 
 FORMAT = "lit_spec.phrase_pool/1"
+
+
+def ngram_continuation(tokens: list[int], max_ngram: int, num_tokens: int, min_ngram: int = 1) -> list[int]:
+    """Prompt lookup (Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding): the up to ``num_tokens`` tokens
+    that followed the latest earlier occurrence of the last n tokens of ``tokens``, trying n from ``max_ngram`` down
+    to ``min_ngram``; [] when no such n-gram occurs before the end. The reference implementation (and transformers'
+    ``prompt_lookup_num_tokens``) takes the earliest occurrence instead; the latest one is the most recent context.
+    An occurrence may overlap the final n-gram (a run ``a a a`` continues with ``a``)."""
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        last = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):   # the final n-gram itself (start len - n) has no sequel
+            if tokens[start] == last[0] and tokens[start: start + n] == last:
+                return tokens[start + n: start + n + num_tokens]
+    return []
 
 
 class PhrasePool:

@@ -1,0 +1,52 @@
+"""``prompt_lookup``: prompt lookup decoding (Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding; in
+transformers as ``generate(..., prompt_lookup_num_tokens=)``). Speculative decoding whose draft is no model but a
+string match: the tokens that followed the latest earlier occurrence of the last n tokens of prompt + output
+(``phrases.ngram_continuation``, n from ``max_ngram`` down to ``min_ngram``), up to ``num_draft_tokens`` of them,
+verified in one target forward like greedy speculative decoding (the longest prefix equal to the target's argmax,
+plus the target's own next token); the KV cache is rolled back to the accepted prefix. With no match the step is a
+plain one-token step. Greedy only, lossless; batch size 1. Pays off where the output copies its input
+(summaries, code edits, document QA) or repeats itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lit_spec.decoding.base import Decoder, register
+from lit_spec.decoding.masks import causal
+from lit_spec.decoding.phrases import ngram_continuation
+from lit_spec.decoding.state import DecodeState
+from lit_spec.decoding.verify import greedy_accept_length, require_greedy
+from lit_spec.errors import ConfigError, check_count
+
+
+@register("prompt_lookup")
+class PromptLookupDecoder(Decoder):
+    def __init__(self, model, num_draft_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1,
+                 temperature: float = 0.0, **kwargs):
+        # first: at bench.temperature > 0 the bench also passes a `seed`, which this greedy decoder has no use for
+        require_greedy("prompt_lookup", temperature)
+        super().__init__(model, **kwargs)
+        self.num_draft_tokens = check_count("num_draft_tokens", num_draft_tokens)
+        self.max_ngram = check_count("max_ngram", max_ngram)
+        self.min_ngram = check_count("min_ngram", min_ngram)
+        if self.min_ngram > self.max_ngram:
+            raise ConfigError(f"min_ngram={min_ngram} > max_ngram={max_ngram}: the n-gram sizes tried run from "
+                              "max_ngram down to min_ngram")
+
+    def _decode(self, state: DecodeState) -> None:
+        state.require_single_row(self.name)
+        prompt = state.prompt[0][state.prompt_mask[0].bool()].tolist()
+        state.commit([[int(state.prefill()[0].argmax(-1))]], advance=[0])
+        device = state.pending.device
+        while not state.finished:
+            out = state.out[0]
+            # never draft beyond what can still be committed (n accepted + the target's own token <= room)
+            room = min(self.num_draft_tokens, state.max_new_tokens - len(out) - 1)
+            drafts = ngram_continuation(prompt + out, self.max_ngram, room, self.min_ngram) if room else []
+            q = len(drafts) + 1
+            logits = state.forward(torch.tensor([out[-1:] + drafts], device=device), causal(q, device))[0]
+            target = logits.argmax(-1).tolist()
+            n = greedy_accept_length(drafts, target)
+            state.keep_prefix(q, [n + 1])
+            state.commit([drafts[:n] + [target[n]]], advance=[n + 1], drafted=[len(drafts)])
