@@ -50,6 +50,7 @@ def baseline(tmp_path_factory) -> Path:
 
 def test_records_are_well_formed_and_fixed_points_are_greedy(baseline):
     cfg = collect_config(baseline)
+    stages.find_stages(cfg)               # the model's path (run_collection resolved it the same way)
     records = read_records(baseline, include_dropped=True)
     assert part_names(baseline) == ["train-000000.jsonl", "train-000001.jsonl", "train-000002.jsonl",
                                     "validation-000000.jsonl", "validation-000001.jsonl"]

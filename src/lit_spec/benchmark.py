@@ -55,7 +55,8 @@ def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
     """Name -> runner: our AR first, then the methods of the ``decoding`` group, then transformers' peers."""
     bench, pad = cfg.bench, tokenizer.pad_token_id
     sampling = {"temperature": bench.temperature, "seed": cfg.seed} if bench.temperature > 0 else {}
-    specs = {"ar": {}, **OmegaConf.to_container(cfg.get("decoding") or {}, resolve=True)}
+    decoding = cfg.get("decoding")
+    specs = {"ar": {}, **(OmegaConf.to_container(decoding, resolve=True) if decoding else {})}
     runners: dict = build_decoders(model, specs, draft, pad_token_id=pad, **sampling)
     for mode in bench.hf_peers or []:
         if mode == "assisted" and draft is None:

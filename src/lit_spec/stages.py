@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 import hydra
-from hydra.utils import get_class
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_spec.config import build, cache_entry, compose_config, config_dir, config_hash
@@ -137,8 +137,8 @@ def _kind(node: DictConfig) -> type | None:
     target = node.get("_target_")
     if not isinstance(target, str) or not target.startswith("lit_spec."):
         return None
-    cls = get_class(target)
-    kind = next((k for k in KINDS if issubclass(cls, k)), None)
+    cls = get_object(target)
+    kind = next((k for k in KINDS if isinstance(cls, type) and issubclass(cls, k)), None)
     if kind is TrajectoryDataModule and node.get("path") is not None:
         return None
     return kind
