@@ -32,8 +32,11 @@ def test_bench_runs_every_runner_and_writes_its_report(micro_dirs, tmp_path):
     assert methods["ar"]["speedup"] == pytest.approx(1.0) and methods["ar"]["mean_accepted"] == 1.0
     for name, m in methods.items():
         assert m["new_tokens"] > 0 and m["tokens_per_s"] > 0, name
-        # greedy, same model: every peer must produce exactly our AR's tokens
-        assert m["exact_match"] == 1.0, name
+        # greedy, same model: every peer must produce exactly our AR's tokens, and transformers' greedy generate's
+        assert m["exact_match"] == 1.0 and m["exact_match_reference"] == 1.0, name
+    assert methods["hf_generate"]["speedup_reference"] == pytest.approx(1.0)
+    assert methods["ar"]["speedup_reference"] == pytest.approx(
+        methods["ar"]["tokens_per_s"] / methods["hf_generate"]["tokens_per_s"])
     assert methods["ar"]["target_forwards"] == methods["ar"]["new_tokens"]
     ar = methods["ar"]
     assert ar["ms_per_forward"] == pytest.approx(1e3 * ar["forward_time"] / ar["target_forwards"])

@@ -117,12 +117,18 @@ def mean(values) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def compare(runs: dict[str, Run], baseline: str = "ar", exact: bool = True) -> dict[str, dict]:
+def compare(runs: dict[str, Run], baseline: str = "ar", exact: bool = True,
+            reference: str | None = None) -> dict[str, dict]:
     """Per runner: tokens/s, speedup over ``baseline``'s tokens/s, τ (mean tokens accepted per target forward),
     forwards and times, exact match with ``baseline``'s outputs (share of prompts token-identical; ``exact=False``,
-    e.g. when sampling: None), what a target forward costs against the baseline's (the hardware's share of
-    speedup / τ) and the engine overhead (the engine's share), and the decoder's averaged extras."""
+    e.g. when sampling: None) and, as ``speedup_reference`` / ``exact_match_reference``, against ``reference``
+    (e.g. transformers' greedy ``generate``), what a target forward costs against the baseline's (the hardware's share of speedup / τ) and the
+    engine overhead (the engine's share), and the decoder's averaged extras."""
     base = runs[baseline]
+
+    def exact_match(run: Run, other: Run) -> float | None:
+        return mean(o == a for o, a in zip(run.outputs, other.outputs)) if exact else None
+
     results = {}
     for name, run in runs.items():
         s = run.stats
@@ -133,7 +139,10 @@ def compare(runs: dict[str, Run], baseline: str = "ar", exact: bool = True) -> d
              "new_tokens": s.new_tokens, "wall_time": s.wall_time,
              "acceptance_rate": s.acceptance_rate if s.drafted_tokens else None,
              "fast_forwarded": s.fast_forwarded, "stationary": s.stationary,
-             "exact_match": mean(o == a for o, a in zip(run.outputs, base.outputs)) if exact else None,
+             "exact_match": exact_match(run, base),
+             "exact_match_reference": exact_match(run, runs[reference]) if reference in runs else None,
+             "speedup_reference": (s.tokens_per_s / runs[reference].stats.tokens_per_s
+                                   if reference in runs and runs[reference].stats.tokens_per_s else None),
              "forward_time": s.forward_time, "draft_time": s.draft_time,
              "engine_overhead": s.engine_overhead if s.forward_time else None,
              "ms_per_forward": 1e3 * s.forward_time / s.target_forwards if s.forward_time else None}
