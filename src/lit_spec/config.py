@@ -40,7 +40,7 @@ def config_hash(obj, length: int = 10) -> str:
     the stage caches keyed by them)."""
     if isinstance(obj, DictConfig):
         obj = OmegaConf.to_container(obj, resolve=False)
-    blob = json.dumps(_without_nulls(obj), sort_keys=True, default=str).encode()
+    blob = json.dumps(without_nulls(obj), sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:length]
 
 
@@ -53,11 +53,12 @@ def cache_entry(cache_dir, name: str) -> Path:
     return Path(cache_dir).expanduser() / name
 
 
-def _without_nulls(obj):
+def without_nulls(obj):
+    """``obj`` with every null-valued key of its dicts left out, recursively."""
     if isinstance(obj, dict):
-        return {k: _without_nulls(v) for k, v in obj.items() if v is not None}
+        return {k: without_nulls(v) for k, v in obj.items() if v is not None}
     if isinstance(obj, list):
-        return [_without_nulls(v) for v in obj]
+        return [without_nulls(v) for v in obj]
     return obj
 
 

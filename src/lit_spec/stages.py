@@ -13,6 +13,9 @@ options left out):
 - ``<experiment>`` (``StageModelSpec``: ``model=tiny_target``, ``tiny_draft``): the model that ``+experiment=<stage>``
   trains and exports; keyed by that composed config's model, data, method, trainer and seed. Built by
   ``run_training`` in ``cache_dir/runs/<name>-<key>``, where an interrupted build resumes from its last checkpoint.
+- ``gguf`` (any model config with ``gguf_file``, e.g. ``model=smollm2_135m_instruct``): the GGUF de-quantised once
+  by transformers into a ``save_pretrained`` directory in the config's dtype; keyed by the file's sha256 (a hub file:
+  by id, file and revision) and the dtype.
 - ``trajectories`` (``data=trajectories`` with ``data.path`` null): Jacobi trajectories collected by
   ``run_collection`` with ``conf/collect.yaml`` + ``data.collect``; keyed by its model, data, collect and seed
   (processes and strategy do not change the output); resumable.
@@ -36,7 +39,8 @@ from lit_spec.config import build, cache_entry, compose_config, config_dir, conf
 from lit_spec.data.trajectories import META, read_meta
 from lit_spec.data.trajectory_data import TrajectoryDataModule
 from lit_spec.errors import ConfigError, LitSpecError
-from lit_spec.models import StageModelSpec, TinyModelSpec
+from lit_spec.models import HFModelSpec, StageModelSpec, TinyModelSpec
+from lit_spec.models.gguf import dequantize_gguf, file_sha256, gguf_path
 from lit_spec.models.tiny import build_tiny_model
 
 log = logging.getLogger(__name__)
@@ -98,9 +102,19 @@ def trajectories_stage(node: DictConfig) -> Stage:
                  partial(_one_process, cfg, overrides))
 
 
+def gguf_stage(node: DictConfig) -> Stage:
+    source, file = node.name_or_path, node.gguf_file
+    local = gguf_path(source, file)          # None for a hub id: keyed by id, file and revision
+    what = {"sha256": file_sha256(local)} if local else {"hub_id": source, "file": file, "revision": node.revision}
+    out = cache_entry(node.cache_dir, f"gguf-{config_hash({**what, 'dtype': node.dtype})}")
+    return Stage(out.name, None, out, partial(dequantize_gguf, source, file, out, node.dtype),
+                 (out / "config.json").is_file, lambda: False)
+
+
 KINDS: dict[type, Callable[[DictConfig], Stage]] = {
-    TinyModelSpec: tiny_model_stage, StageModelSpec: experiment_stage, TrajectoryDataModule: trajectories_stage}
-OUTPUT_KEY = {TinyModelSpec: "name_or_path", StageModelSpec: "name_or_path", TrajectoryDataModule: "path"}
+    TinyModelSpec: tiny_model_stage, StageModelSpec: experiment_stage, TrajectoryDataModule: trajectories_stage,
+    HFModelSpec: gguf_stage}
+OUTPUT_KEY = {TrajectoryDataModule: "path"}                  # models: name_or_path
 
 
 def run_training_stage(cfg: DictConfig) -> None:
@@ -141,6 +155,8 @@ def _kind(node: DictConfig) -> type | None:
     kind = next((k for k in KINDS if isinstance(cls, type) and issubclass(cls, k)), None)
     if kind is TrajectoryDataModule and node.get("path") is not None:
         return None
+    if kind is HFModelSpec and not node.get("gguf_file"):
+        return None
     return kind
 
 
@@ -165,7 +181,9 @@ def find_stages(cfg: DictConfig) -> list[Stage]:
         for found in [*(find_stages(stage.config) if stage.config is not None else []), stage]:
             stages.setdefault(found.output, found)
         with open_dict(node):
-            node[OUTPUT_KEY[kind]] = str(stage.output)
+            node[OUTPUT_KEY.get(kind, "name_or_path")] = str(stage.output)
+            if kind is HFModelSpec:
+                node.gguf_file = None             # the de-quantised directory is a plain checkpoint
     return list(stages.values())
 
 

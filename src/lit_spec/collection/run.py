@@ -34,7 +34,7 @@ from transformers import AutoConfig
 from lit_spec.collection.collector import TrajectoryCollector
 from lit_spec.collection.plan import check_settings, plan_batches
 from lit_spec.collection.progress import TokensPerSecond
-from lit_spec.config import build
+from lit_spec.config import build, without_nulls
 from lit_spec.data.trajectories import META, done_batches, read_meta, read_records, write_meta
 from lit_spec.errors import ConfigError, DataError
 from lit_spec.stages import build_stages, find_stages
@@ -98,9 +98,10 @@ def run_collection(cfg: DictConfig) -> Path:
     config = collection_config(cfg, model_spec)
     if (out / META).is_file():
         meta = read_meta(out)
-        if meta["config"] != config:
+        there, here = without_nulls(meta["config"]), without_nulls(config)   # a new null option changes nothing
+        if there != here:
             raise ConfigError(f"collect.out_dir={out} holds a collection with other settings "
-                              f"({_first_difference(meta['config'], config)}): set another collect.out_dir "
+                              f"({_first_difference(there, here)}): set another collect.out_dir "
                               "or delete that directory")
         if meta["complete"]:
             log.info("%s: already complete (%s records), nothing to do", out, meta["stats"].get("records"))

@@ -33,6 +33,10 @@ class HFModelSpec:
         gradient_checkpointing: trade compute for activation memory while training.
         trust_remote_code: run model code shipped with the checkpoint (off unless you trust it).
         revision: hub branch, tag or commit.
+        gguf_file: a GGUF file in ``name_or_path`` (a directory, a hub id, or ``pkg://<package>``: an installed
+            package's directory), or an absolute path: the ``gguf`` stage (``lit_spec.stages``) de-quantises it once
+            into ``cache_dir/gguf-<key>`` in ``dtype`` and points ``name_or_path`` there (``gguf_file`` is then null).
+        cache_dir: where stages are cached.
     """
 
     name_or_path: str
@@ -41,6 +45,8 @@ class HFModelSpec:
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     revision: str | None = None
+    gguf_file: str | None = None
+    cache_dir: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -51,6 +57,9 @@ class HFModelSpec:
 
     def validate(self) -> None:
         """Fail early, with a message, if the model cannot be found or its tokenizer does not fit it."""
+        if self.gguf_file:
+            raise ConfigError(f"model.gguf_file={self.gguf_file}: a GGUF model is de-quantised by its stage first "
+                              "(lit_spec.stages.ensure_stages(cfg), python -m lit_spec.stages)")
         if not self.name_or_path:
             raise ConfigError("model.name_or_path is empty: a model built by a stage (model=tiny, tiny_target, ...) "
                               "gets its path from lit_spec.stages.ensure_stages(cfg) (python -m lit_spec.stages)")

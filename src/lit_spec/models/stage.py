@@ -13,9 +13,7 @@ from lit_spec.models.spec import HFModelSpec
 
 @dataclass
 class StageModelSpec(HFModelSpec):
-    """Args: stage: the experiment (``conf/experiment/<stage>.yaml``) that trains and exports the model;
-    cache_dir: where stages are cached."""
+    """Args: stage: the experiment (``conf/experiment/<stage>.yaml``) that trains and exports the model."""
 
     name_or_path: str = ""
     stage: str = "tiny_target"
-    cache_dir: str = ".cache/lit_spec"

@@ -47,7 +47,6 @@ class TinyModelSpec(HFModelSpec):
     ``name_or_path`` to it; changing any size builds a new model."""
 
     name_or_path: str = ""
-    cache_dir: str = ".cache/lit_spec"
     vocab_size: int = 4096
     hidden_size: int = 256
     intermediate_size: int = 704
@@ -61,7 +60,7 @@ class TinyModelSpec(HFModelSpec):
 
     def architecture(self) -> dict:
         """What the weights depend on (not where they live or how they are loaded)."""
-        loading = {f.name for f in fields(HFModelSpec)} | {"cache_dir"}
+        loading = {f.name for f in fields(HFModelSpec)}
         return {k: v for k, v in asdict(self).items() if k not in loading}
 
 
