@@ -144,7 +144,11 @@ def test_option_composes_resolves_and_targets_import(override, choice, tmp_path)
     elif group in {"logger", "callbacks"}:
         assert cfg[group], f"{override} composed an empty {group} group"
     elif group == "decoding":
-        assert list(cfg.decoding) == [option] and cfg.decoding[option].method
+        # a decoder is named by its package, `# @package decoding.<name>` (lookahead_tiny configures decoding.lookahead)
+        header = (CONF / group / f"{option}.yaml").read_text().splitlines()[0]
+        assert header.startswith("# @package decoding."), header
+        name = header.removeprefix("# @package decoding.").strip()
+        assert list(cfg.decoding) == [name] and cfg.decoding[name].method
 
 
 @pytest.mark.parametrize("option", _options("experiment"))
@@ -257,6 +261,35 @@ def test_bench_default_composes_every_method_with_the_tiny_draft(tmp_path):
     assert cfg.model.stage == "tiny_target" and cfg.bench.num_prompts == 3
     missing, failures = _resolve_all(cfg)
     assert not missing and not failures, (missing, failures)
+
+
+def test_offline_defaults_are_the_quickstarts_spelled_out(tmp_path):
+    """`python -m lit_spec.train` is +experiment=cllm_quickstart and `python -m lit_spec.bench` has the CPU setting of
+    +experiment=ouroboros_quickstart's lookahead, while method=cllm and decoding=[lookahead] keep the papers' values."""
+    def plain(cfg):
+        out = OmegaConf.to_container(cfg, resolve=False)
+        return {k: v for k, v in out.items() if k not in {"paths", "task_name"}}
+
+    assert plain(compose_config([])) == plain(compose_config(["+experiment=cllm_quickstart"]))
+    bench = compose_config([], config_name="bench").decoding.lookahead
+    quick = compose_config(["+experiment=ouroboros_quickstart"], config_name="bench").decoding.lookahead
+    assert bench == quick and (bench.window, bench.ngram, bench.guesses) == (5, 4, 5)
+    paper = compose_config(["decoding=[lookahead]"], config_name="bench").decoding.lookahead
+    assert (paper.window, paper.ngram, paper.guesses) == (15, 5, 15)
+    assert compose_config(["decoding=[jacobi]"], config_name="bench").decoding.keys() == {"jacobi"}
+    assert compose_config(["decoding.lookahead.window=7"], config_name="bench").decoding.lookahead.window == 7
+    assert compose_config(["method=cllm"]).method.lr == 2e-5 and compose_config([]).method.lr == 5e-4
+
+
+def test_methods_share_one_optimizer_config():
+    """The optimizer keys come from conf/method/_optim.yaml (each method overrides what its paper says): every method
+    config lists it in its defaults (or builds on one that does) and composes all of its keys."""
+    base = OmegaConf.load(CONF / "method" / "_optim.yaml")
+    for option in _options("method"):
+        defaults = [str(d) for d in OmegaConf.load(CONF / "method" / f"{option}.yaml").get("defaults") or []]
+        assert "_optim" in defaults or set(defaults) & set(_options("method")), (option, defaults)
+        method = compose_config([f"method={option}"]).method
+        assert set(base) <= set(method) and not OmegaConf.is_missing(method, "lr"), option
 
 
 def test_config_hash_ignores_null_options_and_sees_every_value():
