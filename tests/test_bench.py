@@ -93,9 +93,10 @@ def test_bench_scores_the_greedy_answers(micro_dirs, tmp_path):
     results = run_benchmark(bench_config(tmp_path, micro_dirs[0], None, "bench.hf_peers=[]", "bench.metric=token_f1"),
                             tmp_path)
     assert 0.0 <= results["quality"]["token_f1"] <= 1.0 and 0.0 <= results["quality"]["repetitive"] <= 1.0
+    assert results["methods"]["ar"]["token_f1"] == results["quality"]["token_f1"]     # every method scored
     tokenizer = build(bench_config(tmp_path, micro_dirs[0], None).model).load_tokenizer()
     # by hand: one answer flagged (a token 8 times in a row), one not; F1 against the references
-    outputs, refs = [[7] * 8, [5, 6, 7]], [[5, 6, 7], [5, 6, 7]]
+    outputs, refs = [[7] * 8, [5, 6, 7]], [{"answer_ids": [5, 6, 7]}, {"answer_ids": [5, 6, 7]}]
     texts = [tokenizer.decode(o) for o in outputs]
     assert RepetitionFilter().reason(outputs[0], texts[0]) and not RepetitionFilter().reason(outputs[1], texts[1])
     quality = answer_quality(outputs, refs, tokenizer, "token_f1")

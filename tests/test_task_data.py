@@ -11,7 +11,7 @@ from omegaconf import open_dict
 from lit_spec.config import compose_config
 from lit_spec.data import HFSource
 from lit_spec.data.metrics import rouge1
-from lit_spec.benchmark import load_prompts, run_benchmark
+from lit_spec.benchmark import load_records, run_benchmark
 from lit_spec.errors import ConfigError, DataError
 from lit_spec.models import train_bpe_tokenizer
 from test_data import build_datamodule, decoded, gsm8k_rows, mbpp_rows, setup_datamodule, wmt16_rows, write_rows
@@ -106,7 +106,7 @@ def test_eval_split_errors(tok, tmp_path):
 
 def test_humaneval_hub_dataset_fails_fast_offline(tok):
     with pytest.raises(DataError, match="no-such-org/humaneval.*data.path"):
-        setup_eval(tok, "data=humaneval", "data.source.hub_id=no-such-org/humaneval")
+        setup_eval(tok, "data=humaneval", "data.source.path=null", "data.source.hub_id=no-such-org/humaneval")
 
 
 # ---- malformed records -------------------------------------------------------------------------------------------
@@ -204,11 +204,12 @@ def test_experiment_prompts_from_a_local_file(tok, tmp_path, task, rows, chat):
     a local file, rendered and (for the chat models' tasks) wrapped in the tokenizer's chat template."""
     path = write_rows(rows, tmp_path / f"{task}.jsonl")
     cfg = compose_config([f"+experiment=ouroboros_{task}", f"data.path={path}"], config_name="bench")
-    prompts, references = load_prompts(cfg, tok)
-    assert len(prompts) == len(references) == len(rows)  # fewer records than bench.num_prompts: all of them
-    texts = [tok.decode(p[0], skip_special_tokens=True) for p in prompts]
+    records = load_records(cfg, tok)
+    assert len(records) == len(rows)  # fewer records than bench.num_prompts: all of them
+    prompts, references = [r["prompt_ids"] for r in records], [r["answer_ids"] for r in records]
+    texts = [tok.decode(p, skip_special_tokens=True) for p in prompts]
     assert all(t.startswith("[INST] ") and t.endswith(" [/INST]") for t in texts) == chat
-    assert all(p[0, 0].item() == tok.bos_token_id for p in prompts)
+    assert all(p[0] == tok.bos_token_id for p in prompts)
     assert all(r[-1] == tok.eos_token_id for r in references)
     if task == "mbpp":
         assert all("Your code should pass these tests:\n\nassert add_" in t for t in texts)

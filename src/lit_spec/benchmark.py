@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from lit_spec.config import build
+from lit_spec.data.datamodule import record_of
 from lit_spec.data.metrics import get_metric, score_answers
 from lit_spec.data.repetition import RepetitionFilter
 from lit_spec.errors import ConfigError
@@ -39,16 +40,15 @@ def _load(spec_cfg: DictConfig, device: torch.device):
     return spec, model
 
 
-def load_prompts(cfg: DictConfig, tokenizer) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """The first ``bench.num_prompts`` prompts (token ids) of ``bench.split`` of the ``data`` config, and their
-    dataset answers."""
+def load_records(cfg: DictConfig, tokenizer) -> list[dict]:
+    """The first ``bench.num_prompts`` records of ``bench.split`` of the ``data`` config: ``prompt_ids``, the
+    dataset's ``answer_ids`` and, when the data config keeps one, the ``problem`` an execution metric runs."""
     datamodule = build(cfg.data, tokenizer=tokenizer)
     datamodule.setup("test")
     split = datamodule.splits[cfg.bench.split]
     if len(split) == 0:
         raise ConfigError(f"bench.split={cfg.bench.split}: that split of the data is empty")
-    n = min(cfg.bench.num_prompts, len(split))
-    return [torch.tensor(split[i]["prompt_ids"])[None] for i in range(n)], [split[i]["answer_ids"] for i in range(n)]
+    return [record_of(split[i]) for i in range(min(cfg.bench.num_prompts, len(split)))]
 
 
 def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
@@ -80,8 +80,8 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
         if draft.config.vocab_size != model.config.vocab_size:
             raise ConfigError(f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
                               f"({model.config.vocab_size}): pick a draft that shares the target's tokenizer")
-    prompts, references = load_prompts(cfg, tokenizer)
-    prompts = [p.to(device) for p in prompts]
+    records = load_records(cfg, tokenizer)
+    prompts = [torch.tensor([r["prompt_ids"]], device=device) for r in records]
     eos, max_new = tokenizer.eos_token_id, cfg.bench.max_new_tokens
     runners = build_runners(cfg, model, draft, tokenizer)
 
@@ -97,21 +97,26 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     results = {"model": spec.name_or_path, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
                "num_prompts": len(prompts), "max_new_tokens": max_new, "temperature": cfg.bench.temperature,
                "methods": methods}
-    results["quality"] = answer_quality(runs["ar"].outputs, references, tokenizer, cfg.bench.get("metric"))
+    metric = cfg.bench.get("metric")
+    if metric is not None:      # every method's own answers: a lossless method scores what AR scores
+        for name, run in runs.items():
+            methods[name][metric] = score_answers(metric, run.outputs, records, tokenizer)
+    results["metric"] = metric
+    results["quality"] = answer_quality(runs["ar"].outputs, records, tokenizer, metric)
     write_report(results, out_dir)
     return results
 
 
-def answer_quality(outputs: list[list[int]], references: list[list[int]], tokenizer, metric: str | None) -> dict:
+def answer_quality(outputs: list[list[int]], records: list[dict], tokenizer, metric: str | None) -> dict:
     """How good the greedy answers are (the same for every lossless method): the share that the collection's
-    repetition filter flags (``RepetitionFilter`` defaults), and ``metric``'s mean score against the dataset's
-    answers when one is named."""
+    repetition filter flags (``RepetitionFilter`` defaults), and ``metric``'s mean score (against the dataset's
+    answers, or by execution) when one is named."""
     texts = [tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
     flag = RepetitionFilter()
     quality = {"repetitive": sum(flag.reason(o, t) is not None for o, t in zip(outputs, texts)) / len(outputs),
                "mean_new_tokens": sum(map(len, outputs)) / len(outputs)}
     if metric is not None:
-        quality[metric] = score_answers(metric, outputs, references, tokenizer)
+        quality[metric] = score_answers(metric, outputs, records, tokenizer)
     return quality
 
 
@@ -136,8 +141,10 @@ COLUMNS = [  # (header, cell of a method's results)
 
 
 def markdown_table(results: dict) -> str:
-    head = "| method | " + " | ".join(h for h, _ in COLUMNS) + " |\n|" + "---|" * (len(COLUMNS) + 1) + "\n"
-    rows = ["| " + " | ".join([name, *(cell(m) for _, cell in COLUMNS)]) + " |"
+    metric = results.get("metric")
+    columns = COLUMNS + ([(metric, lambda m: _fmt(m[metric], ".3f"))] if metric else [])
+    head = "| method | " + " | ".join(h for h, _ in columns) + " |\n|" + "---|" * (len(columns) + 1) + "\n"
+    rows = ["| " + " | ".join([name, *(cell(m) for _, cell in columns)]) + " |"
             for name, m in results["methods"].items()]
     return head + "\n".join(rows) + "\n"
 

@@ -149,7 +149,7 @@ class SpeedupCallback(L.Callback):
             metrics["quality/token_agreement"] = mean(greedy_accept_length(o, r) / max(len(r), 1) for o, r in pairs)
         name = getattr(dm, "metric", None)
         if name:
-            metrics[f"quality/{name}"] = score_answers(name, outputs, [r["answer_ids"] for r in self.records],
+            metrics[f"quality/{name}"] = score_answers(name, outputs, self.records,
                                                        self.tokenizer)
         return metrics
 

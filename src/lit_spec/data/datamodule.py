@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import datasets
@@ -46,13 +47,22 @@ def collate_answers(pairs: list[tuple[list[int], list[int]]], pad_token_id: int)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def record_of(row: dict) -> dict:
+    """A tokenized row as plain lists (+ its ``problem`` as a dict, when the data config keeps one)."""
+    out = {"prompt_ids": list(row["prompt_ids"]), "answer_ids": list(row["answer_ids"])}
+    if row.get("problem") is not None:
+        out["problem"] = json.loads(row["problem"])
+    return out
+
+
 class PromptDataModule(L.LightningDataModule):
     """Tokenizes ``template.render(record)`` into ``prompt_ids`` + ``answer_ids`` (+EOS) for every split.
 
     Training batches are right-padded ``input_ids``/``attention_mask``/``labels`` with the prompt masked out of the
     labels; ``prompt_ids``/``answer_ids`` stay available per record for methods and callbacks that decode
     (``eval_records``). ``metric`` names the task metric (``lit_spec.data.metrics``) that such callbacks score
-    decoded answers with, or is None.
+    decoded answers with, or is None. ``problem_columns``: raw columns kept with every record as its ``problem``
+    (an execution metric's tests, e.g. HumanEval's ``test`` and ``entry_point`` for ``pass_at_1``).
 
     ``eval_shuffle_seed``: shuffle the validation/test records with this seed before ``max_eval_samples`` (and the
     bench's ``num_prompts``) take the first ones, i.e. a seeded random sample (the Ouroboros paper samples 100
@@ -65,7 +75,7 @@ class PromptDataModule(L.LightningDataModule):
                  eval_batch_size: int | None = None, max_prompt_tokens: int = 512, max_answer_tokens: int = 512,
                  max_train_samples: int | None = None, max_eval_samples: int | None = None,
                  num_workers: int = 0, shuffle_seed: int = 0, metric: str | None = None,
-                 eval_shuffle_seed: int | None = None):
+                 eval_shuffle_seed: int | None = None, problem_columns: list[str] | None = None):
         super().__init__()
         if metric is not None:
             get_metric(metric)  # an unknown name fails here, before any work
@@ -78,7 +88,7 @@ class PromptDataModule(L.LightningDataModule):
         self.max_prompt_tokens, self.max_answer_tokens = max_prompt_tokens, max_answer_tokens
         self.max_train_samples, self.max_eval_samples = max_train_samples, max_eval_samples
         self.num_workers, self.shuffle_seed, self.eval_shuffle_seed = num_workers, shuffle_seed, eval_shuffle_seed
-        self.metric = metric
+        self.metric, self.problem_columns = metric, list(problem_columns or [])
         # the one split an evaluation-only source fills (None: a training source, whose train split must not be empty)
         self.eval_split: str | None = getattr(source, "eval_split", None)
         self.splits: datasets.DatasetDict | None = None
@@ -92,7 +102,10 @@ class PromptDataModule(L.LightningDataModule):
             answer_ids = answer_ids + [self.tokenizer.eos_token_id]  # a finished answer ends in EOS
         else:
             answer_ids = answer_ids[: self.max_answer_tokens]
-        return {"prompt_ids": prompt_ids, "answer_ids": answer_ids}
+        out = {"prompt_ids": prompt_ids, "answer_ids": answer_ids}
+        if self.problem_columns:        # what an execution metric runs the answer against (e.g. HumanEval's tests)
+            out["problem"] = json.dumps({c: record.get(c) for c in self.problem_columns})
+        return out
 
     def setup(self, stage: str | None = None) -> None:
         if stage == "fit" and self.eval_split is not None:
@@ -119,7 +132,8 @@ class PromptDataModule(L.LightningDataModule):
             if limits[split] is not None:
                 ds = ds.select(range(min(limits[split], len(ds))))
             if len(ds) == 0:
-                out[split] = datasets.Dataset.from_dict({k: [] for k in TOKEN_FEATURES}, features=TOKEN_FEATURES)
+                features = TOKEN_FEATURES | ({"problem": datasets.Value("string")} if self.problem_columns else {})
+                out[split] = datasets.Dataset.from_dict({k: [] for k in features}, features=datasets.Features(features))
                 continue
             ds = ds.map(self._tokenize, remove_columns=ds.column_names, desc=f"tokenizing {split}")
             before = len(ds)
@@ -134,13 +148,14 @@ class PromptDataModule(L.LightningDataModule):
 
     def eval_records(self, split: str, n: int) -> list[dict]:
         """The first ``n`` records of ``split`` (fewer when it is shorter; none when it is empty or absent) as
-        ``{"prompt_ids": [...], "answer_ids": [...]}``: prompts to decode and the dataset's answers to score."""
+        ``{"prompt_ids": [...], "answer_ids": [...]}`` (+ ``problem`` with ``data.problem_columns``): prompts to
+        decode, the dataset's answers to score and what an execution metric tests them with."""
         self.setup()
         ds = self.splits.get(split)
         if ds is None:
             return []
         ds = ds.select(range(min(n, len(ds))))
-        return [{"prompt_ids": list(r["prompt_ids"]), "answer_ids": list(r["answer_ids"])} for r in ds]
+        return [record_of(r) for r in ds]
 
     # ---- batches --------------------------------------------------------------------------------------------
     def collate(self, records: list[dict]) -> dict:

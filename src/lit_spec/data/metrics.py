@@ -1,4 +1,6 @@
-"""Task metrics: ``score(prediction_text, reference_text) -> float`` in [0, 1], by name (``data.metric``).
+"""Task metrics: ``score(prediction_text, reference_text) -> float`` in [0, 1], by name (``data.metric``), and the
+execution metric ``pass_at_1`` (``lit_spec.data.execution``), which runs each answer against its record's
+``problem`` (kept by ``data.problem_columns``) in a separate, limited process.
 
 A datamodule names its metric so that callbacks can check that faster decoding training keeps the task solved,
 not only the tokens of the original model (the speedup callback logs ``quality/<metric>``).
@@ -10,6 +12,7 @@ import re
 from collections import Counter
 from typing import Callable
 
+from lit_spec.data.execution import pass_at_1
 from lit_spec.errors import ConfigError
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -64,15 +67,25 @@ METRICS: dict[str, Callable[[str, str], float]] = {"gsm8k_answer": gsm8k_answer,
                                                     "token_f1": token_f1, "rouge1": rouge1}
 
 
-def get_metric(name: str) -> Callable[[str, str], float]:
-    if name not in METRICS:
-        raise ConfigError(f"data.metric={name!r}: choose one of {sorted(METRICS)} (or null for none)")
-    return METRICS[name]
+EXECUTION_METRICS: dict[str, Callable[[list[str], list[dict]], float]] = {"pass_at_1": pass_at_1}
 
 
-def score_answers(name: str, outputs: list[list[int]], references: list[list[int]], tokenizer) -> float:
-    """Mean of metric ``name`` over decoded answers (token ids) against the dataset's (token ids), as texts."""
+def get_metric(name: str) -> Callable:
+    if name not in METRICS and name not in EXECUTION_METRICS:
+        raise ConfigError(f"data.metric={name!r}: choose one of {sorted(METRICS | EXECUTION_METRICS)} "
+                          "(or null for none)")
+    return METRICS.get(name) or EXECUTION_METRICS[name]
+
+
+def score_answers(name: str, outputs: list[list[int]], records: list[dict], tokenizer) -> float:
+    """Mean of metric ``name`` over decoded answers (token ids) against their ``records``' answers (``answer_ids``),
+    as texts; an execution metric runs them against the records' ``problem`` instead."""
     score = get_metric(name)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    pairs = list(zip(outputs, references))
-    return sum(score(decode(o), decode(r)) for o, r in pairs) / len(pairs) if pairs else 0.0
+    if name in EXECUTION_METRICS:
+        if any("problem" not in r for r in records):
+            raise ConfigError(f"metric {name}: the data config keeps no problems to run the answers against "
+                              "(data.problem_columns, e.g. data=humaneval)")
+        return score([decode(o) for o in outputs], [r["problem"] for r in records])
+    pairs = list(zip(outputs, records))
+    return sum(score(decode(o), decode(r["answer_ids"])) for o, r in pairs) / len(pairs) if pairs else 0.0

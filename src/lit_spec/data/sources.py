@@ -19,9 +19,16 @@ import pyarrow.parquet
 
 from lit_spec.errors import ConfigError, DataError
 from lit_spec.data import stdlib_code
+from lit_spec.packages import resolve
 
 SPLITS = ("train", "validation", "test")
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def _format(path: Path) -> str | None:
+    """The ``datasets`` loader of a local file (``.gz``-compressed json/jsonl/csv too), or None."""
+    suffix = Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
+    return LOCAL_FORMATS.get(suffix)
 
 
 def _complete_splits(dd: datasets.DatasetDict, val_fraction: float, test_fraction: float,
@@ -71,7 +78,8 @@ class HFSource:
     Args:
         hub_id: dataset id on the Hub (``openai/gsm8k``), used when ``path`` is not set.
         subset: the hub dataset's config name (``main`` for GSM8K), if it has several.
-        path: a local file or a directory of such files; takes precedence over ``hub_id``.
+        path: a local file (``.gz`` too) or a directory of such files, or ``pkg://<package>/<file>`` (a file an
+            installed package ships); takes precedence over ``hub_id``.
         splits: map of our split names to the dataset's own (e.g. ``{validation: dev}``).
         record_fn: optional importable function applied to every record (e.g. ShareGPT's first turn).
         val_fraction/test_fraction: share of train carved out for splits the dataset lacks.
@@ -100,13 +108,13 @@ class HFSource:
         return f"local file {self.path}" if self.path else f"hub dataset {self.hub_id}"
 
     def _load_local(self) -> datasets.DatasetDict:
-        path = Path(os.path.expanduser(self.path))
+        path = Path(os.path.expanduser(resolve(self.path)))
         if not path.exists():
             raise DataError(f"data.path={self.path}: no such file or directory")
-        files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_FORMATS) if path.is_dir() else [path]
+        files = sorted(p for p in path.rglob("*") if _format(p)) if path.is_dir() else [path]
         if not files:
             raise DataError(f"data.path={self.path}: no .json/.jsonl/.parquet/.csv files in it")
-        kinds = {LOCAL_FORMATS.get(p.suffix) for p in files}
+        kinds = {_format(p) for p in files}
         if None in kinds or len(kinds) != 1:
             raise DataError(f"data.path={self.path}: expected one of {sorted(LOCAL_FORMATS)} "
                             f"(all files of one kind), got {sorted({p.suffix for p in files})}")

