@@ -79,6 +79,7 @@ def test_metrics_at_train_start_and_after_each_validation(trained):
     assert first["tokens_per_s/ar"] > 0 and first["speedup/jacobi"] > 0 and first["mean_accepted/jacobi"] >= 1.0
     assert first["quality/agreement"] == 1.0 and first["quality/token_agreement"] == 1.0
     assert 0.0 <= first["quality/exact_match"] <= 1.0  # data.metric=exact_match against the dataset's answers
+    assert first["quality/exact_match/jacobi"] == first["quality/exact_match"]   # lossless: the same answers
     assert callback.last_metrics == callback.history[-1][1]
 
     # written to the CSV logger: at train start (no pl_module.log there) and after each validation

@@ -61,7 +61,8 @@ def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
     for mode in bench.hf_peers or []:
         if mode == "assisted" and draft is None:
             continue
-        peer = HFPeer(mode, model, draft, pad, bench.temperature, bench.assistant_tokens, bench.prompt_lookup_tokens)
+        peer = HFPeer(mode, model, draft, pad, bench.temperature, bench.assistant_tokens, bench.prompt_lookup_tokens,
+                      bench.prompt_lookup_ngram)
         runners[peer.name] = peer
     return runners
 

@@ -45,7 +45,7 @@ class HFPeer:
     """transformers' ``generate`` in one of its modes (``HF_PEERS``), timed like our decoders (tokens, wall time)."""
 
     def __init__(self, mode: str, model, draft=None, pad_token_id: int | None = None, temperature: float = 0.0,
-                 assistant_tokens: int = 4, prompt_lookup_tokens: int = 10):
+                 assistant_tokens: int = 4, prompt_lookup_tokens: int = 10, prompt_lookup_ngram: int = 2):
         if mode not in HF_PEERS:
             raise ConfigError(f"bench.hf_peers: unknown {mode!r}; choose from {sorted(HF_PEERS)}")
         self.name, self.model = HF_PEERS[mode], model
@@ -61,7 +61,7 @@ class HFPeer:
             draft.generation_config.assistant_confidence_threshold = 0.0
             self.kwargs["assistant_model"] = draft
         elif mode == "prompt_lookup":
-            self.kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
+            self.kwargs.update(prompt_lookup_num_tokens=prompt_lookup_tokens, max_matching_ngram_size=prompt_lookup_ngram)
 
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> DecodeOutput:

@@ -9,7 +9,8 @@ output is token-identical to the current greedy AR output: the lossless check) a
 Quality: ``quality/agreement`` (share of prompts whose greedy AR output still equals the original model's, decoded
 before the first training step and kept in the callback's state, so a resumed run compares with the original) and
 ``quality/token_agreement`` (mean common-prefix length / original length); ``quality/<metric>`` when the datamodule
-names a task metric (``data.metric``), scoring the AR outputs against the dataset's answers.
+names a task metric (``data.metric``), scoring the AR outputs against the dataset's answers (or by execution:
+``pass_at_1``), and ``quality/<metric>/NAME`` for every other decoder's outputs.
 
 Design: the callback asks the method module for its decoders (``MethodModule.decoders()``), so a method that trains
 for a decoder (CLLM: Jacobi; Chimera, Hidden Transfer: their tree decoders) plugs in without changing this file;
@@ -119,7 +120,7 @@ class SpeedupCallback(L.Callback):
     def measure(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         """Decode, compute the metrics, keep them in ``last_metrics`` and ``history``; logging is the hooks' job."""
         runs = self._decode_all(trainer, pl_module)
-        metrics = self._speed(runs) | self._quality(runs["ar"].outputs, trainer.datamodule)
+        metrics = self._speed(runs) | self._quality(runs, trainer.datamodule)
         self.last_metrics = metrics
         self.history.append((trainer.global_step, metrics))
         return metrics
@@ -138,8 +139,8 @@ class SpeedupCallback(L.Callback):
         if self.reference is None:
             self.reference = {"prompt_ids": [r["prompt_ids"] for r in self.records], "outputs": outputs}
 
-    def _quality(self, outputs: list[list[int]], dm) -> dict[str, float]:
-        prompts = [r["prompt_ids"] for r in self.records]
+    def _quality(self, runs: dict[str, Run], dm) -> dict[str, float]:
+        outputs, prompts = runs["ar"].outputs, [r["prompt_ids"] for r in self.records]
         self._keep_original(outputs)
         original = {tuple(p): o for p, o in zip(self.reference["prompt_ids"], self.reference["outputs"])}
         pairs = [(o, original[tuple(p)]) for p, o in zip(prompts, outputs) if tuple(p) in original]
@@ -148,9 +149,10 @@ class SpeedupCallback(L.Callback):
             metrics["quality/agreement"] = mean(o == r for o, r in pairs)
             metrics["quality/token_agreement"] = mean(greedy_accept_length(o, r) / max(len(r), 1) for o, r in pairs)
         name = getattr(dm, "metric", None)
-        if name:
-            metrics[f"quality/{name}"] = score_answers(name, outputs, self.records,
-                                                       self.tokenizer)
+        if name:   # AR's answers, and every other decoder's (a lossless one scores what AR scores)
+            for decoder, run in runs.items():
+                key = f"quality/{name}" + ("" if decoder == "ar" else f"/{decoder}")
+                metrics[key] = score_answers(name, run.outputs, self.records, self.tokenizer)
         return metrics
 
     # ---- hooks ------------------------------------------------------------------------------------------------
