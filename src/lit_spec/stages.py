@@ -19,6 +19,8 @@ options left out):
 - ``trajectories`` (``data=trajectories`` with ``data.path`` null): Jacobi trajectories collected by
   ``run_collection`` with ``conf/collect.yaml`` + ``data.collect``; keyed by its model, data, collect and seed
   (processes and strategy do not change the output); resumable.
+- ``answers`` (``data=self_distilled`` with ``data.path`` null): the target's own greedy answers, the same collection
+  with ``collect.decoder=ar`` (answers only), keyed and resumable the same way.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_spec.config import build, cache_entry, compose_config, config_dir, config_hash
 from lit_spec.data.trajectories import META, read_meta
+from lit_spec.data.self_distilled import SelfDistilledDataModule
 from lit_spec.data.trajectory_data import TrajectoryDataModule
 from lit_spec.errors import ConfigError, LitSpecError
 from lit_spec.models import HFModelSpec, StageModelSpec, TinyModelSpec
@@ -85,15 +88,16 @@ def experiment_stage(node: DictConfig) -> Stage:
                  lambda: any(runs.glob("checkpoints/*.ckpt")))
 
 
-def trajectories_stage(node: DictConfig) -> Stage:
+def collection_stage(kind: str, node: DictConfig) -> Stage:
+    """``trajectories`` or ``answers``: a collection by ``run_collection``."""
     if not node.get("collect"):
-        raise ConfigError("data=trajectories: set data.path (a collected directory) or data.collect (overrides "
+        raise ConfigError(f"the {kind} data: set data.path (a collected directory) or data.collect (overrides "
                           "for conf/collect.yaml)")
     overrides = list(node.collect)
     cfg = compose_config(overrides, config_name="collect")
     hashed = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k in COLLECT_GROUPS}
     hashed["collect"].pop("out_dir", None)
-    out = cache_entry(node.cache_dir, f"trajectories-{config_hash(hashed)}")
+    out = cache_entry(node.cache_dir, f"{kind}-{config_hash(hashed)}")
     with open_dict(cfg):
         cfg.collect.out_dir = str(out)
         cfg.paths.output_dir = str(out)  # the trainer's default_root_dir (nothing is written there in predict)
@@ -112,9 +116,10 @@ def gguf_stage(node: DictConfig) -> Stage:
 
 
 KINDS: dict[type, Callable[[DictConfig], Stage]] = {
-    TinyModelSpec: tiny_model_stage, StageModelSpec: experiment_stage, TrajectoryDataModule: trajectories_stage,
-    HFModelSpec: gguf_stage}
-OUTPUT_KEY = {TrajectoryDataModule: "path"}                  # models: name_or_path
+    TinyModelSpec: tiny_model_stage, StageModelSpec: experiment_stage, HFModelSpec: gguf_stage,
+    TrajectoryDataModule: partial(collection_stage, "trajectories"),
+    SelfDistilledDataModule: partial(collection_stage, "answers")}
+OUTPUT_KEY = {TrajectoryDataModule: "path", SelfDistilledDataModule: "path"}   # models: name_or_path
 
 
 def run_training_stage(cfg: DictConfig) -> None:
@@ -153,7 +158,7 @@ def _kind(node: DictConfig) -> type | None:
         return None
     cls = get_object(target)
     kind = next((k for k in KINDS if isinstance(cls, type) and issubclass(cls, k)), None)
-    if kind is TrajectoryDataModule and node.get("path") is not None:
+    if kind in OUTPUT_KEY and node.get(OUTPUT_KEY[kind]) is not None:     # a given collection
         return None
     if kind is HFModelSpec and not node.get("gguf_file"):
         return None

@@ -12,6 +12,7 @@ from lit_spec.decoding.guesses import INITS
 from lit_spec.errors import ConfigError, check_count
 
 SPLITS = ("train", "validation", "test")
+DECODERS = (None, "jacobi", "ar")        # collect.decoder: null = jacobi (trajectories), ar = answers only
 
 
 def check_settings(c: DictConfig) -> None:
@@ -20,6 +21,9 @@ def check_settings(c: DictConfig) -> None:
         check_count(f"collect.{key}", c[key])
     if c.max_prompts is not None:
         check_count("collect.max_prompts", c.max_prompts)
+    if c.get("decoder") not in DECODERS:
+        raise ConfigError(f"collect.decoder={c.decoder!r}: choose jacobi (null; Jacobi trajectories) or ar (answers "
+                          "only)")
     if c.init not in INITS:
         raise ConfigError(f"collect.init={c.init!r}: choose one of {list(INITS)}")
     if not c.splits or any(s not in SPLITS for s in c.splits):

@@ -131,7 +131,7 @@ def run_collection(cfg: DictConfig) -> Path:
     if todo:
         collector = TrajectoryCollector(model_spec, tokenizer, str(out), c.n_tokens, c.max_new_tokens, c.init,
                                         c.seed, {"copies": c.augment.copies, "prob": float(c.augment.prob)},
-                                        repetition_filter, on_done)
+                                        repetition_filter, on_done, c.get("decoder"))
         trainer.predict(collector, dataloaders=DataLoader(todo, batch_size=None, collate_fn=_as_is),
                         return_predictions=False)
     elif trainer.is_global_zero:

