@@ -106,6 +106,17 @@ def test_batches_hold_the_target_answers_and_callbacks_score_the_dataset_answers
     assert [e["prompt_ids"] for e in evals] == [r["prompt_ids"] for r in val]
 
 
+def test_answers_are_cut_and_the_quickstarts_take_them(answers):
+    data = SelfDistilledDataModule(path=str(answers), max_answer_tokens=3)
+    data.setup("fit")
+    assert [len(a) for a in data.splits["train"]["answer_ids"]] == [
+        min(3, len(r["answer_ids"])) for r in read_records(answers, "train")]
+    for experiment in ("chimera_quickstart", "hidden_transfer_quickstart", "draft_distill_quickstart"):
+        cfg = compose_config([f"+experiment={experiment}", "data=self_distilled"])
+        check_method_data(cfg)
+        assert isinstance(build(cfg.data), SelfDistilledDataModule), experiment
+
+
 def test_cllm_refuses_an_answers_only_collection(answers):
     with pytest.raises(DataError, match="answers-only collection .*collect.decoder=null"):
         TrajectoryDataModule(path=str(answers)).setup("fit")
@@ -116,5 +127,7 @@ def test_bad_input_is_one_clear_error(tmp_path):
         run_collection(collect_config(tmp_path / "out", "collect.decoder=beam"))
     with pytest.raises(ConfigError, match="data.max_train_records=0"):
         SelfDistilledDataModule(max_train_records=0)
+    with pytest.raises(ConfigError, match="data.max_answer_tokens=-1"):
+        SelfDistilledDataModule(max_answer_tokens=-1)
     with pytest.raises(ConfigError, match="data.path is null"):
         SelfDistilledDataModule().setup("fit")

@@ -36,19 +36,22 @@ class SelfDistilledDataModule(AnswerBatches):
         path: a collected directory (the ``answers`` stage sets it when the config leaves it null).
         collect, cache_dir: that stage's ``conf/collect.yaml`` overrides and cache (read by the stage, not here).
         max_train_records: train on the first this many kept train records only (data-size ablations).
+        max_answer_tokens: cut every answer to this many tokens (null: as collected).
         batch_size, eval_batch_size, num_workers, shuffle_seed, metric: as ``AnswerBatches``.
     """
 
     eval_answers = "reference_ids"
 
     def __init__(self, tokenizer=None, path: str | None = None, collect: list[str] | None = None,
-                 cache_dir: str | None = None, max_train_records: int | None = None, batch_size: int = 8,
+                 cache_dir: str | None = None, max_train_records: int | None = None,
+                 max_answer_tokens: int | None = None, batch_size: int = 8,
                  eval_batch_size: int | None = None, num_workers: int = 0, shuffle_seed: int = 0,
                  metric: str | None = None):
         super().__init__(tokenizer, batch_size, eval_batch_size, num_workers, shuffle_seed, metric)
-        if max_train_records is not None and (isinstance(max_train_records, bool) or max_train_records < 1):
-            raise ConfigError(f"data.max_train_records={max_train_records!r}: must be >= 1 (or null: all)")
-        self.path, self.max_train_records = path, max_train_records
+        for key, value in (("max_train_records", max_train_records), ("max_answer_tokens", max_answer_tokens)):
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise ConfigError(f"data.{key}={value!r}: must be >= 1 (or null: all)")
+        self.path, self.max_train_records, self.max_answer_tokens = path, max_train_records, max_answer_tokens
         self.source = CollectedAnswers(path)
 
     def setup(self, stage: str | None = None) -> None:
@@ -64,8 +67,8 @@ class SelfDistilledDataModule(AnswerBatches):
         train, val = split_off_validation(self.path, train[: self.max_train_records])
         self.splits = datasets.DatasetDict({"train": self._dataset(train), "validation": self._dataset(val)})
 
-    @staticmethod
-    def _dataset(records: list[dict]) -> datasets.Dataset:
+    def _dataset(self, records: list[dict]) -> datasets.Dataset:
         """Training pairs are (prompt, the target's answer); ``reference_ids`` keeps the dataset's answer."""
-        return datasets.Dataset.from_dict({key: [r[key] for r in records]
-                                           for key in ("prompt_ids", "answer_ids", "reference_ids")})
+        return datasets.Dataset.from_dict({"prompt_ids": [r["prompt_ids"] for r in records],
+                                           "answer_ids": [r["answer_ids"][: self.max_answer_tokens] for r in records],
+                                           "reference_ids": [r["reference_ids"] for r in records]})

@@ -165,7 +165,7 @@ class TrajectoryDataModule(L.LightningDataModule):
         if self.path is None:
             raise ConfigError("data.path is null: the trajectories of data.collect are a stage, collected (or found "
                               "cached) by lit_spec.stages.ensure_stages(cfg) before the datamodule is built")
-        if read_meta(self.path)["config"]["collect"].get("decoder") == "ar":
+        if read_meta(self.path)["config"].get("collect", {}).get("decoder") == "ar":
             raise DataError(f"{self.path}: an answers-only collection (collect.decoder=ar) has no Jacobi trajectories "
                             "to train CLLM on; collect with collect.decoder=null (Jacobi), or train a frozen-base "
                             "method on it with data=self_distilled")
