@@ -1,5 +1,6 @@
 """``data=self_distilled``: the target's own greedy answers, collected with the batched AR decoder
-(``collect.decoder=ar``) as the cached, resumable ``answers`` stage, as prompt/answer batches for frozen-base methods."""
+(``collect.decoder=ar``) as the cached, resumable ``answers`` stage, as prompt/answer batches for frozen-base
+methods."""
 
 from __future__ import annotations
 
