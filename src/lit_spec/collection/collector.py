@@ -63,7 +63,8 @@ class TrajectoryCollector(L.LightningModule):
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         if self.decoder == "ar":
             out = ARDecoder(self.model, pad_token_id=pad).generate(ids, self.max_new_tokens, eos, mask)
-            answers = [until_eos(row[ids.size(1):], eos_ids(eos)) for row in out.sequences.tolist()]
+            ends = eos_ids(eos)
+            answers = [until_eos(row[ids.size(1):], ends) for row in out.sequences.tolist()]
             return answers, [[] for _ in answers]
         decoder = JacobiDecoder(self.model, self.n_tokens, self.init, seed=seed, return_trajectory=True,
                                 align_blocks=True, pad_token_id=pad)

@@ -14,18 +14,8 @@ from __future__ import annotations
 import datasets
 
 from lit_spec.data.datamodule import AnswerBatches
-from lit_spec.data.trajectories import read_records, split_off_validation
+from lit_spec.data.trajectories import CollectionSource, read_records, split_off_validation
 from lit_spec.errors import ConfigError, DataError
-
-
-class CollectedAnswers:
-    """What the training log names as the data source."""
-
-    def __init__(self, path: str | None):
-        self.path = path
-
-    def describe(self) -> str:
-        return f"the target's own answers {self.path}"
 
 
 class SelfDistilledDataModule(AnswerBatches):
@@ -52,14 +42,12 @@ class SelfDistilledDataModule(AnswerBatches):
             if value is not None and (isinstance(value, bool) or value < 1):
                 raise ConfigError(f"data.{key}={value!r}: must be >= 1 (or null: all)")
         self.path, self.max_train_records, self.max_answer_tokens = path, max_train_records, max_answer_tokens
-        self.source = CollectedAnswers(path)
+        self.source = CollectionSource(path, "the target's own answers")
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits is not None:
             return
-        if self.path is None:
-            raise ConfigError("data.path is null: the answers of data.collect are a stage, collected (or found "
-                              "cached) by lit_spec.stages.ensure_stages(cfg) before the datamodule is built")
+        self.source.require_path()
         train = read_records(self.path, "train")
         if not train:
             raise DataError(f"{self.path}: no kept train answer; collect more prompts (or check the repetition "

@@ -28,11 +28,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lit_spec.errors import DataError
+from lit_spec.errors import ConfigError, DataError
 from lit_spec.io import write_json, write_text
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,24 @@ def done_batches(directory: str | Path, split: str) -> set[int]:
 def write_meta(directory: str | Path, config: dict, complete: bool, stats: dict | None = None) -> None:
     write_json(Path(directory) / META, {"format": FORMAT, "version": VERSION, "config": config,
                                         "complete": complete, "stats": stats or {}})
+
+
+@dataclass
+class CollectionSource:
+    """A collected directory as a datamodule's ``source``: what the training log names (``what`` and the path), and
+    the path to read, which the ``trajectories`` / ``answers`` stage fills in when the config leaves it null."""
+
+    path: str | None
+    what: str
+
+    def describe(self) -> str:
+        return f"{self.what} {self.path}"
+
+    def require_path(self) -> str:
+        if self.path is None:
+            raise ConfigError(f"data.path is null: the {self.what} of data.collect are a stage, collected (or found "
+                              "cached) by lit_spec.stages.ensure_stages(cfg) before the datamodule is built")
+        return self.path
 
 
 # ---- reading ------------------------------------------------------------------------------------------------------

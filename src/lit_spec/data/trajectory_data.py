@@ -20,15 +20,13 @@ validation always uses epoch 0 and the items in order. ``num_tokens`` (throughpu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lit_spec.data.datamodule import IGNORE_INDEX
 from lit_spec.data.metrics import get_metric
-from lit_spec.data.trajectories import read_meta, read_records, split_off_validation
+from lit_spec.data.trajectories import CollectionSource, read_meta, read_records, split_off_validation
 from lit_spec.errors import ConfigError, DataError
 
 AR_TARGETS = ("generated", "dataset")
@@ -113,16 +111,6 @@ class EpochSampler(Sampler):
         return ((i, self.epoch) for i in torch.randperm(self.size, generator=generator).tolist())
 
 
-@dataclass
-class TrajectorySource:
-    """What the training log names as the data source."""
-
-    path: str | None
-
-    def describe(self) -> str:
-        return f"Jacobi trajectories {self.path}"
-
-
 class TrajectoryDataModule(L.LightningDataModule):
     """Args:
         tokenizer: the model's (its pad token pads; the speedup callback decodes with it).
@@ -156,15 +144,13 @@ class TrajectoryDataModule(L.LightningDataModule):
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.use_augmented, self.max_context_tokens, self.ar_target = use_augmented, max_context_tokens, ar_target
         self.metric, self.max_train_records, self.num_workers, self.seed = metric, max_train_records, num_workers, seed
-        self.source = TrajectorySource(path)
+        self.source = CollectionSource(path, "Jacobi trajectories")
         self.records: dict[str, list[dict]] | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.records is not None:
             return
-        if self.path is None:
-            raise ConfigError("data.path is null: the trajectories of data.collect are a stage, collected (or found "
-                              "cached) by lit_spec.stages.ensure_stages(cfg) before the datamodule is built")
+        self.source.require_path()
         if read_meta(self.path)["config"].get("collect", {}).get("decoder") == "ar":
             raise DataError(f"{self.path}: an answers-only collection (collect.decoder=ar) has no Jacobi trajectories "
                             "to train CLLM on; collect with collect.decoder=null (Jacobi), or train a frozen-base "
