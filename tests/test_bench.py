@@ -18,8 +18,9 @@ def bench_config(tmp_path, target, draft, *overrides):
     draft_override = (["~draft", f"+draft={{_target_: lit_spec.models.HFModelSpec, name_or_path: '{draft}', "
                                   "dtype: float32}"] if draft else ["draft=null"])
     cfg = compose_config([
-        "model=hf", f"model.name_or_path={target}", "model.dtype=float32", *draft_override, "decoding=[]", "bench.num_prompts=3", "bench.max_new_tokens=16", "bench.warmup_prompts=1",
-        "data.max_prompt_tokens=48", *overrides], config_name="bench")
+        "model=hf", f"model.name_or_path={target}", "model.dtype=float32", *draft_override, "decoding=[]",
+        "bench.num_prompts=3", "bench.max_new_tokens=16", "bench.warmup_prompts=1", "data.max_prompt_tokens=48",
+        *overrides], config_name="bench")
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp_path)
     return cfg
@@ -108,6 +109,11 @@ def test_bench_scores_the_greedy_answers(micro_dirs, tmp_path):
 
 def test_bench_rejects_bad_settings_before_decoding(micro_dirs, tmp_path):
     target, draft = micro_dirs
+    for override, message in [("bench.num_prompts=0", "bench.num_prompts=0: must be an integer >= 1"),
+                              ("bench.max_new_tokens=-1", "bench.max_new_tokens=-1"),
+                              ("bench.split=valdiation", "bench.split=valdiation: the data has no such split")]:
+        with pytest.raises(ConfigError, match=message):
+            run_benchmark(bench_config(tmp_path, target, None, override), tmp_path)
     with pytest.raises(ConfigError, match="unknown 'nope'"):
         run_benchmark(bench_config(tmp_path, target, draft, "bench.hf_peers=[nope]"), tmp_path)
     with pytest.raises(ConfigError, match="needs a draft model"):

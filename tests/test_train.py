@@ -72,6 +72,21 @@ def test_errors_raised_while_building_from_config_are_not_wrapped(micro_config):
         run_training(micro_config("data=gsm8k", "data.source.hub_id=null"))
 
 
+@pytest.mark.parametrize("override,message", [
+    ("method.lr=-1e-3", "method.lr=-0.001: must be a number > 0"),
+    ("method.betas=[0.9,1.5]", "method.betas=1.5: must be a number in"),
+    ("method.scheduler=cosin", "method.scheduler='cosin': choose one of"),
+    ("method.warmup_steps=-5", "method.warmup_steps=-5"),
+])
+def test_optimizer_settings_are_checked_when_the_method_is_built(micro_config, override, message):
+    from lit_spec.config import build
+    from lit_spec.errors import ConfigError
+
+    cfg = micro_config(override)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        build(cfg.method, model_spec=build(cfg.model))
+
+
 class CrashAt(L.Callback):
     """Kills training at a given step, as a crash would (built from the config: ``test_train.CrashAt``)."""
 

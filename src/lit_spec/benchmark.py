@@ -17,7 +17,7 @@ from lit_spec.config import build
 from lit_spec.data.datamodule import record_of
 from lit_spec.data.metrics import get_metric, score_answers
 from lit_spec.data.repetition import RepetitionFilter
-from lit_spec.errors import ConfigError
+from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json
 from lit_spec.measure import HFPeer, build_decoders, compare, decode_prompts, warm_up
 from lit_spec.stages import ensure_stages
@@ -45,6 +45,9 @@ def load_records(cfg: DictConfig, tokenizer) -> list[dict]:
     dataset's ``answer_ids`` and, when the data config keeps one, the ``problem`` an execution metric runs."""
     datamodule = build(cfg.data, tokenizer=tokenizer)
     datamodule.setup("test")
+    if cfg.bench.split not in datamodule.splits:
+        raise ConfigError(f"bench.split={cfg.bench.split}: the data has no such split; choose one of "
+                          f"{sorted(datamodule.splits)}")
     split = datamodule.splits[cfg.bench.split]
     if len(split) == 0:
         raise ConfigError(f"bench.split={cfg.bench.split}: that split of the data is empty")
@@ -67,12 +70,20 @@ def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
     return runners
 
 
+def check_bench(bench: DictConfig) -> None:
+    """The bench's own settings, before any stage, model or decode."""
+    check_count("bench.num_prompts", bench.num_prompts)
+    check_count("bench.max_new_tokens", bench.max_new_tokens)
+    check_count("bench.warmup_prompts", bench.warmup_prompts, minimum=0)
+    if bench.get("metric") is not None:
+        get_metric(bench.metric)  # an unknown name fails here
+
+
 def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
+    check_bench(cfg.bench)
     ensure_stages(cfg)  # the target's and the draft's stages: cached, or built now
     torch.manual_seed(cfg.seed)
     device = _device(cfg.bench.device)
-    if cfg.bench.get("metric") is not None:
-        get_metric(cfg.bench.metric)  # an unknown name fails here, before any work
     spec, model = _load(cfg.model, device)
     tokenizer = spec.load_tokenizer()
     draft = None

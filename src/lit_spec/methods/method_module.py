@@ -12,7 +12,7 @@ import lightning as L
 import torch
 
 from lit_spec.data import AnswerBatches
-from lit_spec.methods.optim import build_optimizer
+from lit_spec.methods.optim import build_optimizer, check_optim
 from lit_spec.models import spec_from_dict
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ class MethodModule(L.LightningModule):
     def __init__(self, model_spec, lr: float = 2e-5, weight_decay: float = 0.0, betas: tuple = (0.9, 0.999),
                  warmup_steps: int = 0, scheduler: str = "cosine", min_lr_ratio: float = 0.1, **method_hparams):
         super().__init__()
+        check_optim(lr, weight_decay, betas, warmup_steps, scheduler, min_lr_ratio)
         self.model_spec = spec_from_dict(model_spec) if isinstance(model_spec, dict) else model_spec
         # Primitives only (torch>=2.6 loads checkpoints with weights_only=True): the spec is kept as a dict, so
         # ``load_from_checkpoint(path)`` rebuilds the module with no other argument.

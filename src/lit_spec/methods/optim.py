@@ -6,6 +6,30 @@ import math
 
 import torch
 
+from lit_spec.errors import ConfigError, check_count
+
+
+SCHEDULERS = ("cosine", "linear", "constant")
+
+
+def _number(name: str, value, what: str, ok) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ConfigError(f"method.{name}={value!r}: must be a number {what}")
+
+
+def check_optim(lr, weight_decay, betas, warmup_steps, scheduler, min_lr_ratio) -> None:
+    """The optimizer settings of ``conf/method/_optim.yaml``, each named in a ConfigError when it is out of range."""
+    _number("lr", lr, "> 0", lambda v: v > 0)
+    _number("weight_decay", weight_decay, ">= 0", lambda v: v >= 0)
+    _number("min_lr_ratio", min_lr_ratio, "in [0, 1]", lambda v: 0 <= v <= 1)
+    check_count("method.warmup_steps", warmup_steps, minimum=0)
+    if len(betas) != 2:
+        raise ConfigError(f"method.betas={list(betas)}: give two numbers in [0, 1)")
+    for beta in betas:
+        _number("betas", beta, "in [0, 1)", lambda v: 0 <= v < 1)
+    if scheduler not in SCHEDULERS:
+        raise ConfigError(f"method.scheduler={scheduler!r}: choose one of {list(SCHEDULERS)}")
+
 
 def _lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
     def f(step: int) -> float:
@@ -18,7 +42,7 @@ def _lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
             return 1.0 - (1.0 - min_ratio) * progress
         if kind == "cosine":
             return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-        raise ValueError(f"method.scheduler={kind!r}: expected cosine, linear or constant")
+        raise ConfigError(f"method.scheduler={kind!r}: choose one of {list(SCHEDULERS)}")
 
     return f
 
