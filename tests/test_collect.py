@@ -175,6 +175,22 @@ def test_bad_settings_fail_before_any_work(tmp_path, override, words):
     assert not (tmp_path / "out").exists()
 
 
+def unwritable(tmp_path: Path) -> Path:
+    """A directory no one can create, root included (its parent is a file); also a read-only one when not root."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    return blocker / "dir"
+
+
+def test_an_unwritable_out_dir_fails_before_any_work(tmp_path):
+    with pytest.raises(ConfigError, match=r"collect\.out_dir=.*cannot write there"):
+        run_collection(collect_config(unwritable(tmp_path)))
+    if os.geteuid() != 0:
+        (tmp_path / "ro").mkdir(mode=0o500)
+        with pytest.raises(ConfigError, match="cannot write there"):
+            run_collection(collect_config(tmp_path / "ro" / "out"))
+
+
 def test_cli_bad_n_tokens_is_a_one_line_error(tmp_path, stage_cache):
     env = dict(os.environ, LIT_SPEC_CACHE=str(stage_cache), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     result = subprocess.run([sys.executable, "-m", "lit_spec.collect", "collect.n_tokens=0",

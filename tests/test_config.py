@@ -327,6 +327,16 @@ def test_an_empty_cache_dir_is_refused(monkeypatch, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_unwritable_cache_dir_is_refused_before_any_stage(tmp_path):
+    from lit_spec.errors import ConfigError
+    from lit_spec.stages import ensure_stages
+
+    (tmp_path / "a_file").write_text("")
+    cfg = compose_config(["model=tiny_target", f"paths.cache_dir={tmp_path / 'a_file' / 'cache'}"])
+    with pytest.raises(ConfigError, match=r"paths\.cache_dir \(LIT_SPEC_CACHE\)=.*cannot write there"):
+        ensure_stages(cfg)
+
+
 def test_readme_lists_every_option_of_every_group():
     """README = the truth: its table of config groups names every option under conf/ (a new config that the README
     does not mention fails here)."""

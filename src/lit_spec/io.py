@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from lit_spec.errors import ConfigError
+
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
@@ -28,6 +30,19 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_writable(directory: str | os.PathLike, what: str) -> None:
+    """A ConfigError naming ``what`` (the setting that chose ``directory``) when the directory cannot be created or
+    written in: raised before work starts, not when its first output is due."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{what}={directory}: cannot write there ({e.strerror or e}); choose a writable "
+                          "directory") from None
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

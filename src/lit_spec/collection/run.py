@@ -37,6 +37,7 @@ from lit_spec.collection.progress import TokensPerSecond
 from lit_spec.config import build, without_nulls
 from lit_spec.data.trajectories import META, done_batches, read_meta, read_records, write_meta
 from lit_spec.errors import ConfigError, DataError
+from lit_spec.io import check_writable
 from lit_spec.stages import build_stages, find_stages
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def run_collection(cfg: DictConfig) -> Path:
     c = cfg.collect
     check_settings(c)
     out = Path(c.out_dir)
+    check_writable(out, "collect.out_dir")
     repetition_filter = None if c.filter is None else build(c.filter)
     stages = find_stages(cfg)  # the model's path (part of the settings), built below only if work is left
     model_spec = build(cfg.model)
