@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lit_spec.errors import ConfigError
 from lit_spec.training import run_training
 
 
@@ -50,6 +51,13 @@ def test_resume_continues_at_the_right_step(micro_config, tmp_path):
     last = Path(first.paths.output_dir) / "checkpoints" / "last.ckpt"
     assert last.is_file()
     assert torch.load(last, weights_only=True, map_location="cpu")["global_step"] == 6
+    (tmp_path / "notes.ckpt").write_text("not a checkpoint")
+    for overrides, message in [(["trainer.max_steps=6"], "already at step 6, and trainer.max_steps=6"),
+                               (["method=medusa"], "a checkpoint of ARModule, but this run trains MedusaModule"),
+                               ([f"ckpt_path={tmp_path / 'notes.ckpt'}"], "not a readable Lightning checkpoint")]:
+        with pytest.raises(ConfigError, match=message):
+            run_training(micro_config(f"ckpt_path={last}", *overrides, output_dir=tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()
 
     second = micro_config("trainer.max_steps=10", "trainer.val_check_interval=5", f"ckpt_path={last}",
                           "trainer.log_every_n_steps=1", "method.lr=1e-2", output_dir=tmp_path / "b")
@@ -64,7 +72,6 @@ def test_resume_continues_at_the_right_step(micro_config, tmp_path):
 
 def test_errors_raised_while_building_from_config_are_not_wrapped(micro_config):
     """Hydra wraps exceptions of a ``_target_`` in InstantiationException; the user must see our message."""
-    from lit_spec.errors import ConfigError
 
     with pytest.raises(ConfigError, match="model.dtype='int8'"):
         run_training(micro_config("model.dtype=int8"))
@@ -80,7 +87,6 @@ def test_errors_raised_while_building_from_config_are_not_wrapped(micro_config):
 ])
 def test_optimizer_settings_are_checked_when_the_method_is_built(micro_config, override, message):
     from lit_spec.config import build
-    from lit_spec.errors import ConfigError
 
     cfg = micro_config(override)
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):

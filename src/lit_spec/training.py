@@ -72,6 +72,29 @@ def check_method_data(cfg: DictConfig) -> None:
                           f"a {data.__name__}: use {method.data_configs}")
 
 
+def check_checkpoint(path: Path, method: type, max_steps: int) -> None:
+    """``ckpt_path`` resumes this run: a Lightning checkpoint (or a DeepSpeed checkpoint directory) of the same
+    method, not already at ``trainer.max_steps``."""
+    if not path.exists():
+        raise ConfigError(f"ckpt_path={path}: no such checkpoint; pass a .ckpt file (or DeepSpeed checkpoint "
+                          "directory) from an earlier run's checkpoints/")
+    if path.is_dir():             # DeepSpeed's sharded checkpoint: read by DeepSpeed itself
+        return
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:        # a zip that is not torch's, a text file, a truncated file: all unreadable the same
+        raise ConfigError(f"ckpt_path={path}: not a readable Lightning checkpoint ({type(e).__name__}); pass a "
+                          ".ckpt file from an earlier run's checkpoints/") from None
+    saved = checkpoint.get("method")
+    if saved is not None and saved != method.__name__:
+        raise ConfigError(f"ckpt_path={path}: a checkpoint of {saved}, but this run trains {method.__name__}; "
+                          "resume with the method it was trained with, or start without ckpt_path")
+    step = checkpoint.get("global_step", 0)
+    if max_steps is not None and 0 <= max_steps <= step:
+        raise ConfigError(f"ckpt_path={path}: already at step {step}, and trainer.max_steps={max_steps}; raise "
+                          "trainer.max_steps to train further")
+
+
 def run_training(cfg: DictConfig) -> dict[str, float]:
     """Fit ``cfg.method`` on ``cfg.data`` with ``cfg.trainer``; export to ``cfg.export_dir``; return final metrics."""
     if cfg.get("seed") is not None:
@@ -79,9 +102,8 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     check_hardware(cfg)
     check_method_data(cfg)
     ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path and not Path(ckpt_path).exists():
-        raise ConfigError(f"ckpt_path={ckpt_path}: no such checkpoint; pass a .ckpt file (or DeepSpeed checkpoint "
-                          "directory) from an earlier run's checkpoints/")
+    if ckpt_path:
+        check_checkpoint(Path(ckpt_path), get_class(cfg.method._target_), cfg.trainer.get("max_steps", -1))
 
     ensure_stages(cfg)  # earlier stages (tiny model, tiny target, trajectories): cached, or built now
     model_spec = build(cfg.model)

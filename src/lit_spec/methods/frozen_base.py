@@ -50,6 +50,7 @@ class FrozenBaseModule(MethodModule):
     # ---- checkpoints and export ---------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """The base is rebuilt from ``hparams.model_spec``: checkpoints hold the trained part only."""
+        super().on_save_checkpoint(checkpoint)
         if "state_dict" in checkpoint:
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
                                         if not k.startswith("model.")}

@@ -53,6 +53,10 @@ class MethodModule(L.LightningModule):
         ``{"jacobi": JacobiDecoder(self.model, n_tokens=...)}``); the speedup callback measures each against AR."""
         return {}
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Name the method in every checkpoint: resuming it with another one is refused (``check_checkpoint``)."""
+        checkpoint["method"] = type(self).__name__
+
     def configure_optimizers(self):
         return build_optimizer(self, self.hparams)
 
