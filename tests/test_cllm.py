@@ -121,7 +121,7 @@ def write_trajectories(directory: Path, train: int = 3, validation: int = 0) -> 
     write_part(directory, "train", 0, [_record(i) for i in range(train)])
     if validation:
         write_part(directory, "validation", 0, [_record(i, "validation") for i in range(validation)])
-    write_meta(directory, {"n_tokens": 3}, complete=True)
+    write_meta(directory, {"collect": {"n_tokens": 3}}, complete=True)
     return directory
 
 
@@ -264,7 +264,7 @@ def test_cllm_trains_end_to_end(tmp_path, consistency):
     traj = write_trajectories(tmp_path / "traj", train=4)
     cfg = make_config(tmp_path / "run", [
         *MICRO_MODEL, "method=cllm", "data=trajectories", f"data.path={traj}", "data.batch_size=2",
-        "method.n_tokens=4", f"method.consistency={consistency}", "method.lr=3e-3", "trainer.max_steps=4",
+        "method.n_tokens=3", f"method.consistency={consistency}", "method.lr=3e-3", "trainer.max_steps=4",
         "trainer.val_check_interval=2", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
         "trainer.log_every_n_steps=1", "callbacks.throughput.window_size=2"])
     metrics = run_training(cfg)
@@ -284,7 +284,18 @@ def test_cllm_trains_end_to_end(tmp_path, consistency):
     module = build(cfg.method, model_spec=build(cfg.model))
     module.configure_model()
     decoders = module.decoders()
-    assert list(decoders) == ["jacobi"] and decoders["jacobi"].n_tokens == 4
+    assert list(decoders) == ["jacobi"] and decoders["jacobi"].n_tokens == 3
+
+
+def test_the_block_size_must_be_the_collected_one(tmp_path):
+    traj = write_trajectories(tmp_path / "traj")
+    run = [*MICRO_MODEL, "method=cllm", "data=trajectories", f"data.path={traj}"]
+    with pytest.raises(ConfigError, match=r"method.n_tokens=4, but the trajectories at .* collected with n=3: set "
+                                          r"method.n_tokens=3"):
+        run_training(make_config(tmp_path / "run", [*run, "method.n_tokens=4"]))
+    with pytest.raises(ConfigError, match=r"^method.n_tokens=0: must be an integer >= 1"):  # not collect.n_tokens
+        run_training(make_config(tmp_path / "run", [*MICRO_MODEL, "method.n_tokens=0"]))
+    assert not (tmp_path / "run").exists()
 
 
 # ---- the default pipeline: collect -> train -> measure -----------------------------------------------------------

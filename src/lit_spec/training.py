@@ -13,7 +13,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lit_spec.config import build
-from lit_spec.errors import ConfigError
+from lit_spec.errors import ConfigError, check_count
 from lit_spec.export import export_pretrained
 from lit_spec.io import write_json
 from lit_spec.loggers import finish_wandb
@@ -70,6 +70,17 @@ def check_method_data(cfg: DictConfig) -> None:
     if wanted is not None and not issubclass(data, wanted):
         raise ConfigError(f"method {method.__name__} trains on {wanted.__name__} batches, but the data config builds "
                           f"a {data.__name__}: use {method.data_configs}")
+    if cfg.method.get("n_tokens") is not None:   # checked here, not as the collect.n_tokens it is passed on as
+        check_count("method.n_tokens", cfg.method.n_tokens)
+
+
+def check_block_size(method: DictConfig, datamodule) -> None:
+    """CLLM trains and decodes with the block size its trajectories were collected with."""
+    collected = getattr(datamodule, "n_tokens", None)
+    if collected is not None and method.get("n_tokens") is not None and method.n_tokens != collected:
+        raise ConfigError(f"method.n_tokens={method.n_tokens}, but the trajectories at {datamodule.path} were "
+                          f"collected with n={collected}: set method.n_tokens={collected}, or collect with "
+                          f"n={method.n_tokens} (data.path=null collects with method.n_tokens)")
 
 
 def check_checkpoint(path: Path, method: type, max_steps: int) -> None:
@@ -111,6 +122,7 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     tokenizer = model_spec.load_tokenizer()
     datamodule = build(cfg.data, tokenizer=tokenizer)
     datamodule.setup("fit")  # bad data fails here, before any training
+    check_block_size(cfg.method, datamodule)
     module = build(cfg.method, model_spec=model_spec)
 
     finish = _FinishRun(cfg)

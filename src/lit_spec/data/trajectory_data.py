@@ -162,6 +162,11 @@ class TrajectoryDataModule(L.LightningDataModule):
         train, val = split_off_validation(self.path, train)
         self.records = {"train": train[: self.max_train_records], "validation": val}
 
+    @property
+    def n_tokens(self) -> int:
+        """The block size n the trajectories were collected with."""
+        return read_meta(self.path)["config"]["collect"]["n_tokens"]
+
     def eval_records(self, split: str, n: int) -> list[dict]:
         """The first ``n`` records of ``split`` (none when it is empty or absent) as ``{"prompt_ids", "answer_ids"}``
         with the dataset's answers (``reference_ids``): prompts to decode and answers to score."""
