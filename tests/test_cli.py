@@ -148,3 +148,17 @@ def test_multirun_sweep_gives_each_job_its_run_dir(stage_cache, tmp_path):
         weights.append(load_file(run / "export" / "model.safetensors"))
     assert weights[0].keys() == weights[1].keys()
     assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "two lrs, same weights"
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path):
+    """The run directory is the start time and the process id: two processes composing the train config at once (in
+    the same second, as two jobs of a scheduler may) get two directories."""
+    code = ("from hydra import compose, initialize_config_dir\nfrom lit_spec.config import config_dir\n"
+            "with initialize_config_dir(config_dir=str(config_dir()), version_base='1.3'):\n"
+            "    print(compose(config_name='train', return_hydra_config=True).hydra.run.dir)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+             for _ in range(2)]
+    dirs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert dirs[0] != dirs[1] and all(d.startswith("logs/train/runs/") for d in dirs)
+    assert sorted(d.rsplit("_", 1)[1] for d in dirs) == sorted(str(p.pid) for p in procs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -17,6 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from lit_spec.errors import ConfigError, LitSpecError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
+# ${pid:} in a run directory's name (conf/hydra/default.yaml): runs started in the same second get their own directory
+OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 
 
 def config_dir() -> Path:
