@@ -5,6 +5,7 @@ reference algorithm (no KV cache) gives the engine's trajectories state for stat
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from lit_spec.config import build, compose_config
 from lit_spec.data.trajectories import read_meta, read_records
 from lit_spec.decoding.guesses import GuessMaker
 from lit_spec.decoding.jacobi import JacobiDecoder
-from lit_spec.errors import ConfigError, DataError
+from lit_spec.errors import ConfigError, DataError, Interrupted
 
 # 10 train prompts (3 batches) + the validation prompts that fit (2 batches), 16 new tokens in blocks of 4
 MICRO_COLLECT = MICRO_MODEL + ["data.max_prompt_tokens=64", "data.max_train_samples=24", "data.max_eval_samples=8",
@@ -121,6 +122,31 @@ def test_killed_collection_resumes_to_the_same_records(baseline, tmp_path, monke
     assert read_records(out, include_dropped=True) == read_records(baseline, include_dropped=True)
     assert part_names(out) == part_names(baseline)
     assert read_meta(out)["stats"]["batches_this_run"] == len(part_names(baseline)) - 2
+
+
+def test_sigterm_stops_at_a_batch_boundary_and_the_rerun_resumes(baseline, tmp_path, monkeypatch):
+    """A real SIGTERM (kill, timeout, a scheduler) after the second batch: the collection stops before the third,
+    exits non-zero (128 + 15) with how to resume, and the rerun finishes with the uninterrupted run's records."""
+    out = tmp_path / "terminated"
+    step = TrajectoryCollector.predict_step
+    written = []
+
+    def terminated_after_two_parts(self, batch):
+        written.append(step(self, batch))
+        if len(written) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return written[-1]
+
+    monkeypatch.setattr(TrajectoryCollector, "predict_step", terminated_after_two_parts)
+    with pytest.raises(Interrupted, match=r"collection stopped with 2 of 5 batches on disk in .*; rerun the same "
+                                          r"command to resume \(SIGTERM\)") as stopped:
+        run_collection(collect_config(out))
+    assert stopped.value.exit_code == 143 and len(written) == 2
+    assert len(part_names(out)) == 2 and not read_meta(out)["complete"]
+
+    monkeypatch.setattr(TrajectoryCollector, "predict_step", step)
+    run_collection(collect_config(out))
+    assert read_records(out, include_dropped=True) == read_records(baseline, include_dropped=True)
 
 
 def test_two_processes_give_the_records_of_one(baseline, tmp_path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import os
+import signal
 from pathlib import Path
 
 import lightning as L
@@ -10,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_spec.errors import ConfigError
+from lit_spec.errors import ConfigError, Interrupted
 from lit_spec.training import run_training
 
 
@@ -104,6 +106,31 @@ class CrashAt(L.Callback):
             raise RuntimeError("crash")
 
 
+class TerminateAt(L.Callback):
+    """Sends this process a real SIGTERM after a given step (built from the config: ``test_train.TerminateAt``)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_stops_training_non_zero_with_a_resumable_checkpoint(micro_config, tmp_path):
+    cfg = micro_config("trainer.max_steps=10", "+callbacks.terminate._target_=test_train.TerminateAt",
+                       "+callbacks.terminate.step=3", output_dir=tmp_path / "terminated")
+    with pytest.raises(Interrupted, match=r"training stopped at step 3, before its end .*resume with "
+                                          r"ckpt_path=.*interrupted\.ckpt \(SIGTERM\)") as stopped:
+        run_training(cfg)
+    assert stopped.value.exit_code == 143
+    run = Path(cfg.paths.output_dir)
+    assert not (run / "metrics.json").exists() and not (run / "export").exists()
+    ckpt = run / "checkpoints" / "interrupted.ckpt"
+    resumed = micro_config("trainer.max_steps=10", f"ckpt_path={ckpt}", output_dir=tmp_path / "resumed")
+    assert run_training(resumed)["global_step"] == 10
+
+
 def test_interrupted_run_leaves_a_usable_checkpoint(micro_config, tmp_path):
     crashed = micro_config("trainer.max_steps=10", "trainer.val_check_interval=5",
                            "+callbacks.crash._target_=test_train.CrashAt", "+callbacks.crash.step=7",
@@ -119,3 +146,14 @@ def test_interrupted_run_leaves_a_usable_checkpoint(micro_config, tmp_path):
     resumed = micro_config("trainer.max_steps=10", "trainer.val_check_interval=5", f"ckpt_path={interrupted}",
                            output_dir=tmp_path / "resumed")
     assert run_training(resumed)["global_step"] == 10
+
+
+def test_entry_points_exit_with_the_errors_code_and_one_line(capsys):
+    from lit_spec.errors import one_line_errors
+
+    for error, code in [(ConfigError("method.lr=-1: must be > 0"), 2), (Interrupted("training stopped", "SIGTERM"), 143),
+                        (Interrupted("collection stopped", "SIGINT"), 130)]:
+        with pytest.raises(SystemExit) as stop, one_line_errors():
+            raise error
+        assert stop.value.code == code
+        assert capsys.readouterr().err == f"error: {error}\n"

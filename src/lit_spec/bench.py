@@ -7,25 +7,21 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from lit_spec.config import config_dir
-from lit_spec.errors import LitSpecError
+from lit_spec.errors import one_line_errors
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="bench")
 def main(cfg: DictConfig) -> None:
     from lit_spec.benchmark import markdown_table, run_benchmark
 
-    try:
+    with one_line_errors():
         results = run_benchmark(cfg, Path(cfg.paths.output_dir))
-    except LitSpecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     print(markdown_table(results))
 
 

@@ -7,24 +7,20 @@
 
 from __future__ import annotations
 
-import sys
 
 import hydra
 from omegaconf import DictConfig
 
 from lit_spec.config import config_dir
-from lit_spec.errors import LitSpecError
+from lit_spec.errors import one_line_errors
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="collect")
 def main(cfg: DictConfig) -> None:
     from lit_spec.collection import run_collection  # imported here: `--cfg job` / `--help` need no torch/lightning
 
-    try:
+    with one_line_errors():
         out = run_collection(cfg)
-    except LitSpecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     print(out)
 
 

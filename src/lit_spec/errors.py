@@ -1,8 +1,39 @@
 """User-facing errors: raised before work starts, printed as one line by the entry points."""
 
+import signal
+import sys
+from contextlib import contextmanager
+
 
 class LitSpecError(Exception):
     """A problem the user can fix (bad path, bad field, missing hardware). The message says what and how."""
+
+    exit_code = 2
+
+
+class Interrupted(LitSpecError):
+    """Work stopped by a signal (SIGTERM from ``kill``, ``timeout`` or a scheduler; SIGINT from Ctrl-C) before it
+    finished: what is on disk stays valid and the message says how to resume. Exits 128 + the signal's number."""
+
+    def __init__(self, message: str, signal_name: str):
+        super().__init__(f"{message} ({signal_name})")
+        self.exit_code = 128 + signal.Signals[signal_name].value
+
+
+def signal_of(stop: SystemExit) -> str:
+    """The signal behind Lightning's way out of a loop: ``SIGTERMException`` for SIGTERM, ``sys.exit(1)`` after a
+    KeyboardInterrupt for SIGINT."""
+    return "SIGTERM" if type(stop).__name__ == "SIGTERMException" else "SIGINT"
+
+
+@contextmanager
+def one_line_errors():
+    """What every entry point does with a ``LitSpecError``: one line on stderr and its exit code, no traceback."""
+    try:
+        yield
+    except LitSpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
 
 
 class ConfigError(LitSpecError):

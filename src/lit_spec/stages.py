@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -41,7 +40,7 @@ from lit_spec.config import build, cache_entry, compose_config, config_dir, conf
 from lit_spec.data.trajectories import META, read_meta
 from lit_spec.data.self_distilled import SelfDistilledDataModule
 from lit_spec.data.trajectory_data import TrajectoryDataModule
-from lit_spec.errors import ConfigError, LitSpecError
+from lit_spec.errors import ConfigError, one_line_errors
 from lit_spec.io import check_writable
 from lit_spec.models import HFModelSpec, StageModelSpec, TinyModelSpec
 from lit_spec.models.gguf import dequantize_gguf, file_sha256, gguf_path
@@ -222,15 +221,12 @@ def describe(stages: list[Stage]) -> str:
 def main(cfg: DictConfig) -> None:
     """``python -m lit_spec.stages [overrides]``: list a config's stages, then build the missing ones (``+list=true``:
     list only). ``--config-name bench`` or ``collect`` for those commands' configs."""
-    try:
+    with one_line_errors():
         stages = find_stages(cfg)
         print(describe(stages))
         if not cfg.get("list"):
             build_stages(stages)
             print(describe(stages))
-    except LitSpecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lit_spec.config import build
-from lit_spec.errors import ConfigError, check_count
+from lit_spec.errors import ConfigError, Interrupted, check_count, signal_of
 from lit_spec.export import export_pretrained
 from lit_spec.io import write_json
 from lit_spec.loggers import finish_wandb
@@ -106,6 +106,14 @@ def check_checkpoint(path: Path, method: type, max_steps: int) -> None:
                           "trainer.max_steps to train further")
 
 
+def resume_hint(cfg: DictConfig) -> str:
+    checkpoints = Path(cfg.paths.output_dir) / "checkpoints"
+    for name in ("interrupted.ckpt", "last.ckpt"):
+        if (checkpoints / name).exists():
+            return f"resume with ckpt_path={checkpoints / name}"
+    return "no checkpoint was written: rerun it"
+
+
 def run_training(cfg: DictConfig) -> dict[str, float]:
     """Fit ``cfg.method`` on ``cfg.data`` with ``cfg.trainer``; export to ``cfg.export_dir``; return final metrics."""
     if cfg.get("seed") is not None:
@@ -139,5 +147,8 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
         if finish.metrics is None:  # ddp_spawn: the run finished in worker processes, whose rank 0 wrote these
             return json.loads((Path(cfg.paths.output_dir) / "metrics.json").read_text())
         return finish.metrics
+    except SystemExit as stop:      # SIGTERM / Ctrl-C: OnExceptionCheckpoint has saved where training stood
+        raise Interrupted(f"training stopped at step {trainer.global_step}, before its end (no export, no "
+                          f"metrics.json); {resume_hint(cfg)}", signal_of(stop)) from None
     finally:
         finish_wandb()

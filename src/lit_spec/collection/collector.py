@@ -9,6 +9,7 @@ import time
 from typing import Callable
 
 import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 import torch
 
 from lit_spec.collection.plan import derive_seed
@@ -49,6 +50,12 @@ class TrajectoryCollector(L.LightningModule):
 
     def on_predict_start(self) -> None:
         self.start = time.perf_counter()
+
+    def on_predict_batch_start(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Stop at a batch boundary on SIGTERM, which Lightning's predict loop only notes (``run_collection`` says
+        how to resume); every part on disk is whole."""
+        if self.trainer.received_sigterm:
+            raise SIGTERMException()
 
     def on_predict_end(self) -> None:
         """Once every process's parts are on disk, rank zero gets the decoding time (spawned workers included: the

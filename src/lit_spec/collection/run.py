@@ -36,7 +36,7 @@ from lit_spec.collection.plan import check_settings, plan_batches
 from lit_spec.collection.progress import TokensPerSecond
 from lit_spec.config import build, without_nulls
 from lit_spec.data.trajectories import META, done_batches, read_meta, read_records, write_meta
-from lit_spec.errors import ConfigError, DataError
+from lit_spec.errors import ConfigError, DataError, Interrupted, signal_of
 from lit_spec.io import check_writable
 from lit_spec.stages import build_stages, find_stages
 
@@ -134,8 +134,13 @@ def run_collection(cfg: DictConfig) -> Path:
         collector = TrajectoryCollector(model_spec, tokenizer, str(out), c.n_tokens, c.max_new_tokens, c.init,
                                         c.seed, {"copies": c.augment.copies, "prob": float(c.augment.prob)},
                                         repetition_filter, on_done, c.get("decoder"))
-        trainer.predict(collector, dataloaders=DataLoader(todo, batch_size=None, collate_fn=_as_is),
-                        return_predictions=False)
+        try:
+            trainer.predict(collector, dataloaders=DataLoader(todo, batch_size=None, collate_fn=_as_is),
+                            return_predictions=False)
+        except SystemExit as stop:              # SIGTERM / Ctrl-C, at a batch boundary
+            on_disk = sum(len(done_batches(out, split)) for split in c.splits)
+            raise Interrupted(f"collection stopped with {on_disk} of {len(plan)} batches on disk in {out}; rerun "
+                              "the same command to resume", signal_of(stop)) from None
     elif trainer.is_global_zero:
         on_done(0.0)
     if trainer.is_global_zero:
