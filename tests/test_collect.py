@@ -124,6 +124,29 @@ def test_killed_collection_resumes_to_the_same_records(baseline, tmp_path, monke
     assert read_meta(out)["stats"]["batches_this_run"] == len(part_names(baseline)) - 2
 
 
+def test_a_damaged_or_deleted_part_is_refused_and_the_suggested_rerun_redoes_it(baseline, tmp_path):
+    """meta.json lists every part's checksum: a part truncated or deleted after the collection completed is refused
+    by every reader, and following the message (rerun the collection) redoes exactly that batch."""
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(baseline, out)
+    part = out / "parts" / "train-000001.jsonl"
+    part.write_text(part.read_text()[:-20])          # truncated, as a full disk or a killed copy leaves it
+    with pytest.raises(DataError, match=r"1 part\(s\) missing or changed .*\(train-000001.jsonl\).*rerun the "
+                                        r"same collection"):
+        read_records(out)
+    assert not read_meta(out)["complete"] and (out / "parts" / "train-000001.jsonl.damaged").is_file()
+    run_collection(collect_config(out))
+    assert read_meta(out)["stats"]["batches_this_run"] == 1
+    assert read_records(out, include_dropped=True) == read_records(baseline, include_dropped=True)
+
+    (out / "parts" / "validation-000000.jsonl").unlink()      # deleted later: the collection itself notices
+    run_collection(collect_config(out))
+    assert read_meta(out)["stats"]["batches_this_run"] == 1
+    assert read_records(out, include_dropped=True) == read_records(baseline, include_dropped=True)
+
+
 def test_sigterm_stops_at_a_batch_boundary_and_the_rerun_resumes(baseline, tmp_path, monkeypatch):
     """A real SIGTERM (kill, timeout, a scheduler) after the second batch: the collection stops before the third,
     exits non-zero (128 + 15) with how to resume, and the rerun finishes with the uninterrupted run's records."""

@@ -41,9 +41,9 @@ from lit_spec.data.trajectories import META, read_meta
 from lit_spec.data.self_distilled import SelfDistilledDataModule
 from lit_spec.data.trajectory_data import TrajectoryDataModule
 from lit_spec.errors import ConfigError, one_line_errors
-from lit_spec.io import check_writable
+from lit_spec.io import check_writable, file_sha256
 from lit_spec.models import HFModelSpec, StageModelSpec, TinyModelSpec
-from lit_spec.models.gguf import dequantize_gguf, file_sha256, gguf_path
+from lit_spec.models.gguf import dequantize_gguf, gguf_path
 from lit_spec.models.tiny import build_tiny_model
 
 log = logging.getLogger(__name__)
@@ -197,8 +197,9 @@ def build_stages(stages: list[Stage]) -> list[Stage]:
     before the first build."""
     missing = [stage for stage in stages if not stage.built()]
     for stage in missing:
-        check_writable(stage.output.parent, "paths.cache_dir (LIT_SPEC_CACHE)")
         stage.check()
+    for stage in missing:
+        check_writable(stage.output.parent, "paths.cache_dir (LIT_SPEC_CACHE)")
     for stage in stages:
         if stage not in missing:
             log.info("stage %s: cached at %s", stage.name, stage.output)

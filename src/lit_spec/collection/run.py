@@ -35,7 +35,8 @@ from lit_spec.collection.collector import TrajectoryCollector
 from lit_spec.collection.plan import check_settings, plan_batches
 from lit_spec.collection.progress import TokensPerSecond
 from lit_spec.config import build, without_nulls
-from lit_spec.data.trajectories import META, done_batches, read_meta, read_records, write_meta
+from lit_spec.data.trajectories import (META, check_parts, done_batches, part_checksums, read_meta, read_records,
+                                        write_meta)
 from lit_spec.errors import ConfigError, DataError, Interrupted, signal_of
 from lit_spec.io import check_writable
 from lit_spec.stages import build_stages, find_stages
@@ -84,7 +85,7 @@ def finish(out: Path, config: dict, plan: list[dict], todo: list[dict], seconds:
         "splits": {s: count([r for r in records if r["split"] == s]) for s in config["collect"]["splits"]},
         "batches": len(plan), "batches_this_run": len(todo), "seconds": round(seconds, 3),
         "tokens_per_s": round(run_tokens / seconds, 1) if seconds > 0 else None}
-    write_meta(out, config, complete=True, stats=stats)
+    write_meta(out, config, complete=True, stats=stats, parts=part_checksums(out))
     return stats
 
 
@@ -105,7 +106,7 @@ def run_collection(cfg: DictConfig) -> Path:
             raise ConfigError(f"collect.out_dir={out} holds a collection with other settings "
                               f"({_first_difference(there, here)}): set another collect.out_dir "
                               "or delete that directory")
-        if meta["complete"]:
+        if meta["complete"] and not check_parts(out, meta):     # a damaged part is set aside and redone below
             log.info("%s: already complete (%s records), nothing to do", out, meta["stats"].get("records"))
             return out
 

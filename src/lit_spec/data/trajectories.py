@@ -28,13 +28,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from lit_spec.errors import ConfigError, DataError
-from lit_spec.io import write_json, write_text
+from lit_spec.io import file_sha256, write_json, write_text
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,39 @@ def done_batches(directory: str | Path, split: str) -> set[int]:
     return {int(p.stem.rsplit("-", 1)[1]) for p in parts.glob(f"{split}-*.jsonl")} if parts.is_dir() else set()
 
 
-def write_meta(directory: str | Path, config: dict, complete: bool, stats: dict | None = None) -> None:
-    write_json(Path(directory) / META, {"format": FORMAT, "version": VERSION, "config": config,
-                                        "complete": complete, "stats": stats or {}})
+def write_meta(directory: str | Path, config: dict, complete: bool, stats: dict | None = None,
+               parts: dict[str, str] | None = None) -> None:
+    """``parts``: every part's sha256 by file name, written when the collection completes (``check_parts``)."""
+    meta = {"format": FORMAT, "version": VERSION, "config": config, "complete": complete, "stats": stats or {}}
+    write_json(Path(directory) / META, meta | ({"parts": parts} if parts is not None else {}))
+
+
+def part_checksums(directory: str | Path) -> dict[str, str]:
+    parts = Path(directory) / PARTS
+    return {p.name: file_sha256(p) for p in sorted(parts.glob("*.jsonl"))} if parts.is_dir() else {}
+
+
+def check_parts(directory: str | Path, meta: dict) -> list[str]:
+    """The parts of a complete collection that are missing, changed or unexpected against meta.json's checksums
+    (a collection from before checksums: only whether parts are missing). Any found are set aside (renamed
+    ``*.damaged``) and the collection is marked not complete, so rerunning the collection redoes exactly those
+    batches; returns their names (empty: intact)."""
+    on_disk = part_checksums(directory)
+    listed = meta.get("parts")
+    if listed is not None:
+        bad = sorted(name for name in listed.keys() | on_disk.keys() if listed.get(name) != on_disk.get(name))
+    else:
+        planned = meta["stats"].get("batches", len(on_disk))
+        bad = [] if len(on_disk) == planned else [f"{planned - len(on_disk)} of {planned} parts"]
+    if bad:
+        for name in bad:
+            path = Path(directory) / PARTS / name
+            if path.is_file():
+                os.replace(path, path.with_name(f"{name}.damaged"))
+        write_meta(directory, meta["config"], complete=False)
+        log.warning("%s: parts missing or changed since the collection completed: %s; set aside and marked not "
+                    "complete", directory, bad)
+    return bad
 
 
 @dataclass
@@ -149,6 +180,11 @@ def read_records(directory: str | Path, split: str | None = None, include_droppe
     if require_complete and not meta.get("complete"):
         raise DataError(f"{directory}: the collection is not complete; rerun the same `python -m lit_spec.collect` "
                         "command to finish it (it resumes)")
+    if require_complete and (bad := check_parts(directory, meta)):
+        raise DataError(f"{directory}: {len(bad)} part(s) missing or changed since the collection completed "
+                        f"({', '.join(bad[:5])}): set aside and marked not complete; rerun the same collection (the "
+                        "`python -m lit_spec.collect` command, or the run whose stage collected it) to redo exactly "
+                        "those batches")
     records = []
     for path in sorted((Path(directory) / PARTS).glob(f"{split or '*'}-*.jsonl")):
         text = path.read_text()

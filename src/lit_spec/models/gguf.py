@@ -11,7 +11,6 @@ A source may be ``pkg://<package>``: the directory of an installed package (``li
 from __future__ import annotations
 
 import copy
-import hashlib
 from pathlib import Path
 
 import torch
@@ -34,14 +33,6 @@ def gguf_path(source: str, gguf_file: str) -> Path | None:
     if not path.is_file():
         raise ConfigError(f"model.gguf_file={gguf_file}: no such file {path}")
     return path
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def dequantize_gguf(source: str, gguf_file: str, out_dir: str | Path, dtype: str = "float32") -> Path:
