@@ -147,6 +147,45 @@ def test_a_damaged_or_deleted_part_is_refused_and_the_suggested_rerun_redoes_it(
     assert read_records(out, include_dropped=True) == read_records(baseline, include_dropped=True)
 
 
+def hold_lock(path: Path, seconds: float) -> subprocess.Popen:
+    """Another process holding ``one_writer``'s lock on ``path`` for ``seconds`` (returns once it holds it)."""
+    code = (f"import time\nfrom lit_spec.io import one_writer\nwith one_writer({str(path)!r}, 'x'):\n"
+            f"    print('held', flush=True)\n    time.sleep({seconds})\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_one_collector_per_directory(tmp_path):
+    """While one process collects into a directory, a second collector there (same settings or not) stops at once
+    with one line naming the other process, and writes nothing."""
+    out = tmp_path / "out"
+    holder = hold_lock(out / ".lock", 60)
+    try:
+        for overrides in ([], ["collect.n_tokens=5"]):
+            with pytest.raises(ConfigError, match=rf"collect.out_dir={out} is being written by another process "
+                                                  rf"\(pid {holder.pid}\); wait for it"):
+                run_collection(collect_config(out, *overrides))
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_stage_being_built_elsewhere_is_waited_for(tmp_path):
+    """Two runs that need the same missing stage: the second waits for the first's lock instead of building it
+    alongside (then finds it built, or builds it if the first did not)."""
+    import time
+
+    cfg = compose_config([*MICRO_MODEL, f"paths.cache_dir={tmp_path / 'cache'}"])
+    stage = stages.find_stages(cfg.model)[0]
+    holder = hold_lock(stage.output.parent / f".{stage.name}.lock", 3)
+    start = time.perf_counter()
+    stages.build_stages([stage])
+    assert time.perf_counter() - start > 2 and stage.built()
+    holder.wait()
+
+
 def test_sigterm_stops_at_a_batch_boundary_and_the_rerun_resumes(baseline, tmp_path, monkeypatch):
     """A real SIGTERM (kill, timeout, a scheduler) after the second batch: the collection stops before the third,
     exits non-zero (128 + 15) with how to resume, and the rerun finishes with the uninterrupted run's records."""

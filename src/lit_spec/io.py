@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -12,6 +14,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from lit_spec.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -31,6 +35,37 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def one_writer(path: str | os.PathLike, what: str, wait: bool = False) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` (created, holding the holder's pid) while writing ``what``.
+    Another holder: wait for it (``wait``), or a ConfigError naming it. Only rank 0 of a multi-process launch
+    locks (its other ranks write what rank 0 dealt them)."""
+    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) != 0:
+        yield
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "pid unknown"
+            if not wait:
+                raise ConfigError(f"{what} is being written by another process ({holder}); wait for it to finish, "
+                                  "then rerun this command (it resumes or finds it done)") from None
+            log.info("%s is being written by another process (%s): waiting for it", what, holder)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -41,7 +41,7 @@ from lit_spec.data.trajectories import META, read_meta
 from lit_spec.data.self_distilled import SelfDistilledDataModule
 from lit_spec.data.trajectory_data import TrajectoryDataModule
 from lit_spec.errors import ConfigError, one_line_errors
-from lit_spec.io import check_writable, file_sha256
+from lit_spec.io import check_writable, file_sha256, one_writer
 from lit_spec.models import HFModelSpec, StageModelSpec, TinyModelSpec
 from lit_spec.models.gguf import dequantize_gguf, gguf_path
 from lit_spec.models.tiny import build_tiny_model
@@ -204,8 +204,12 @@ def build_stages(stages: list[Stage]) -> list[Stage]:
         if stage not in missing:
             log.info("stage %s: cached at %s", stage.name, stage.output)
             continue
-        log.info("stage %s: building into %s (%s)", stage.name, stage.output, stage.status())
-        stage.build()
+        with one_writer(stage.output.parent / f".{stage.name}.lock", f"stage {stage.name}", wait=True):
+            if stage.built():               # by another process while this one waited
+                log.info("stage %s: built by another process at %s", stage.name, stage.output)
+                continue
+            log.info("stage %s: building into %s (%s)", stage.name, stage.output, stage.status())
+            stage.build()
     return stages
 
 

@@ -35,10 +35,10 @@ from lit_spec.collection.collector import TrajectoryCollector
 from lit_spec.collection.plan import check_settings, plan_batches
 from lit_spec.collection.progress import TokensPerSecond
 from lit_spec.config import build, without_nulls
-from lit_spec.data.trajectories import (META, check_parts, done_batches, part_checksums, read_meta, read_records,
+from lit_spec.data.trajectories import (LOCK, META, check_parts, done_batches, part_checksums, read_meta, read_records,
                                         write_meta)
 from lit_spec.errors import ConfigError, DataError, Interrupted, signal_of
-from lit_spec.io import check_writable
+from lit_spec.io import check_writable, one_writer
 from lit_spec.stages import build_stages, find_stages
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,12 @@ def run_collection(cfg: DictConfig) -> Path:
     check_settings(c)
     out = Path(c.out_dir)
     check_writable(out, "collect.out_dir")
+    with one_writer(out / LOCK, f"collect.out_dir={out}"):      # one collector per directory, whatever its settings
+        return _collect(cfg, out)
+
+
+def _collect(cfg: DictConfig, out: Path) -> Path:
+    c = cfg.collect
     repetition_filter = None if c.filter is None else build(c.filter)
     stages = find_stages(cfg)  # the model's path (part of the settings), built below only if work is left
     model_spec = build(cfg.model)

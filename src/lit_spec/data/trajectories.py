@@ -2,8 +2,10 @@
 
 On disk (format ``lit_spec.trajectories``, version 1), a directory::
 
-    meta.json                  format, version, the collection settings, "complete" and totals
+    meta.json                  format, version, the collection settings, "complete", totals and, once complete,
+                               every part's sha256 (``check_parts``: what each reader verifies)
     parts/<split>-<batch>.jsonl  one file per collected batch of prompts, one JSON record per line
+    .lock                      held by the one process collecting into the directory
 
 Each part is written atomically (temporary file + rename) once its whole batch is decoded, so a killed collection
 leaves only complete parts; rerunning skips the batches whose part exists. A record::
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 FORMAT, VERSION = "lit_spec.trajectories", 1
 VAL_FRACTION = 0.05  # held out from train when the collection has no validation split
 META = "meta.json"
+LOCK = ".lock"               # held by the collector writing the directory (lit_spec.io.one_writer)
 PARTS = "parts"
 
 
