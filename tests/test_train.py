@@ -117,8 +117,14 @@ class TerminateAt(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def test_sigterm_stops_training_non_zero_with_a_resumable_checkpoint(micro_config, tmp_path):
-    cfg = micro_config("trainer.max_steps=10", "+callbacks.terminate._target_=test_train.TerminateAt",
+def test_sigterm_stops_training_non_zero_and_the_resumed_run_is_the_same_run(micro_config, tmp_path):
+    """A real SIGTERM mid-epoch: training exits 143 with how to resume (no export, no metrics.json); resuming from
+    its checkpoint trains on the same batches as an uninterrupted run, through the epoch boundary (8 batches an
+    epoch here), so every later step's loss is the uninterrupted run's."""
+    common = ["trainer.max_steps=12", "trainer.log_every_n_steps=1"]
+    whole = micro_config(*common, output_dir=tmp_path / "whole")
+    run_training(whole)
+    cfg = micro_config(*common, "+callbacks.terminate._target_=test_train.TerminateAt",
                        "+callbacks.terminate.step=3", output_dir=tmp_path / "terminated")
     with pytest.raises(Interrupted, match=r"training stopped at step 3, before its end .*resume with "
                                           r"ckpt_path=.*interrupted\.ckpt \(SIGTERM\)") as stopped:
@@ -127,8 +133,12 @@ def test_sigterm_stops_training_non_zero_with_a_resumable_checkpoint(micro_confi
     run = Path(cfg.paths.output_dir)
     assert not (run / "metrics.json").exists() and not (run / "export").exists()
     ckpt = run / "checkpoints" / "interrupted.ckpt"
-    resumed = micro_config("trainer.max_steps=10", f"ckpt_path={ckpt}", output_dir=tmp_path / "resumed")
-    assert run_training(resumed)["global_step"] == 10
+    resumed = micro_config(*common, f"ckpt_path={ckpt}", output_dir=tmp_path / "resumed")
+    assert run_training(resumed)["global_step"] == 12
+    after = _logged(Path(resumed.paths.output_dir), "train/loss")
+    assert [step for step, _ in after] == list(range(3, 12))
+    expected = dict(_logged(Path(whole.paths.output_dir), "train/loss"))
+    assert [loss for _, loss in after] == pytest.approx([expected[step] for step, _ in after], rel=1e-6)
 
 
 def test_interrupted_run_leaves_a_usable_checkpoint(micro_config, tmp_path):

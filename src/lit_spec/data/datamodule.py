@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from lit_spec.data.metrics import get_metric
+from lit_spec.data.resumable import EpochOrder, ResumableLoader, epoch_seed
 from lit_spec.data.templates import PromptTemplate
 from lit_spec.errors import DataError
 
@@ -60,6 +61,18 @@ def record_of(row: dict, answers: str = "answer_ids") -> dict:
     return out
 
 
+class LengthGrouped(EpochOrder):
+    """transformers' ``LengthGroupedSampler`` order (shuffled megabatches sorted by length), seeded by (seed, epoch)."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int):
+        super().__init__(len(lengths))
+        self.lengths, self.batch_size, self.seed = lengths, batch_size, seed
+
+    def order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+        return list(LengthGroupedSampler(self.batch_size, lengths=self.lengths, generator=generator))
+
+
 class AnswerBatches(L.LightningDataModule):
     """Batches of the prompt/answer records in ``self.splits`` (split -> ``datasets.Dataset`` with ``prompt_ids`` and
     ``answer_ids``), which subclasses fill in ``setup``: right-padded ``input_ids``/``attention_mask``/``labels``
@@ -94,16 +107,16 @@ class AnswerBatches(L.LightningDataModule):
         return collate_answers([(r["prompt_ids"], r["answer_ids"]) for r in records], self.tokenizer.pad_token_id)
 
     def _loader(self, split: str, sampler=None) -> DataLoader:
-        return DataLoader(self.splits[split], batch_size=self.batch_size if sampler else self.eval_batch_size,
-                          sampler=sampler, collate_fn=self.collate, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+        loader = DataLoader if sampler is None else ResumableLoader
+        return loader(self.splits[split], batch_size=self.batch_size if sampler else self.eval_batch_size,
+                      sampler=sampler, collate_fn=self.collate, num_workers=self.num_workers,
+                      persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled batches of similar lengths (transformers' LengthGroupedSampler): little compute goes to padding."""
+        """Shuffled batches of similar lengths (``LengthGrouped``): little compute goes to padding; resumable."""
         ds = self.splits["train"]
         lengths = [len(p) + len(a) for p, a in zip(ds["prompt_ids"], ds["answer_ids"])]
-        generator = torch.Generator().manual_seed(self.shuffle_seed)
-        return self._loader("train", LengthGroupedSampler(self.batch_size, lengths=lengths, generator=generator))
+        return self._loader("train", LengthGrouped(lengths, self.batch_size, self.shuffle_seed))
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation")

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from lit_spec.data.datamodule import IGNORE_INDEX
 from lit_spec.data.metrics import get_metric
+from lit_spec.data.resumable import EpochOrder, ResumableLoader, epoch_seed
 from lit_spec.data.trajectories import CollectionSource, read_meta, read_records, split_off_validation
 from lit_spec.errors import ConfigError, DataError
 
@@ -90,25 +91,19 @@ class _Items(Dataset):
                 "ar": ar_item(record, self.ar_target, self.max_context_tokens)}
 
 
-class EpochSampler(Sampler):
+class EpochSampler(EpochOrder):
     """Yields (index, epoch): a permutation seeded by (seed, epoch) when shuffling; the items in order with epoch 0
-    otherwise (validation sees the same states every time). Lightning calls ``set_epoch`` (also through its DDP
-    sampler wrapper)."""
+    otherwise (validation sees the same states every time)."""
 
     def __init__(self, size: int, seed: int = 0, shuffle: bool = True):
-        self.size, self.seed, self.shuffle, self.epoch = size, seed, shuffle, 0
+        super().__init__(size)
+        self.seed, self.shuffle = seed, shuffle
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __iter__(self):
+    def order(self, epoch: int) -> list[tuple[int, int]]:
         if not self.shuffle:
-            return ((i, 0) for i in range(self.size))
-        generator = torch.Generator().manual_seed(hash((self.seed, self.epoch)) % 2**63)
-        return ((i, self.epoch) for i in torch.randperm(self.size, generator=generator).tolist())
+            return [(i, 0) for i in range(self.size)]
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+        return [(i, epoch) for i in torch.randperm(self.size, generator=generator).tolist()]
 
 
 class TrajectoryDataModule(L.LightningDataModule):
@@ -209,9 +204,10 @@ class TrajectoryDataModule(L.LightningDataModule):
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         items = _Items(self.records[split], self.seed, self.use_augmented, self.max_context_tokens, self.ar_target)
-        return DataLoader(items, batch_size=self.batch_size if shuffle else self.eval_batch_size,
-                          sampler=EpochSampler(len(items), self.seed, shuffle), collate_fn=self.collate,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        loader = ResumableLoader if shuffle else DataLoader
+        return loader(items, batch_size=self.batch_size if shuffle else self.eval_batch_size,
+                      sampler=EpochSampler(len(items), self.seed, shuffle), collate_fn=self.collate,
+                      num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)

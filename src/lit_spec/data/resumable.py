@@ -1,0 +1,64 @@
+"""Training batches that a resumed run continues exactly: the same batches, in the same order, from where the
+checkpoint stood, mid-epoch included (Lightning's stateful-loader interface, ``state_dict`` / ``load_state_dict`` on
+the train DataLoader, which it saves in every checkpoint and restores before iterating).
+
+An epoch's order is a function of (seed, epoch) alone (``EpochOrder.order``), so any epoch can be rebuilt; the
+loader's state is the epoch and the number of its batches the training loop has consumed, and a restored loader
+skips those (indices only: nothing is loaded or collated for them).
+"""
+
+from __future__ import annotations
+
+from torch.utils.data import DataLoader, Sampler
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    return hash((seed, epoch)) % 2**63
+
+
+class EpochOrder(Sampler):
+    """A sampler whose epoch order is ``order(epoch)``; the first ``start`` samples of the epoch it was restored in
+    are skipped once. Lightning calls ``set_epoch`` before every epoch (a new epoch starts at its first sample)."""
+
+    def __init__(self, size: int):
+        self.size, self.epoch, self.start = size, 0, 0
+
+    def order(self, epoch: int) -> list:
+        raise NotImplementedError
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.start = 0
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        start, self.start = self.start, 0
+        return iter(self.order(self.epoch)[start:])
+
+
+class ResumableLoader(DataLoader):
+    """A train DataLoader over an ``EpochOrder`` sampler that Lightning checkpoints and restores mid-epoch. Its length
+    is known, so Lightning's fetcher takes batches only as the loop consumes them (no prefetch): the batches served
+    in the current epoch are the batches consumed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._served = 0
+
+    def __iter__(self):
+        self._served = self.sampler.start // self.batch_size
+        for batch in super().__iter__():
+            self._served += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        if not isinstance(self.sampler, EpochOrder):      # re-wrapped for distributed training: not resumable here
+            return {}
+        return {"epoch": self.sampler.epoch, "batches": self._served}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state and isinstance(self.sampler, EpochOrder):
+            self.sampler.epoch, self.sampler.start = state["epoch"], state["batches"] * self.batch_size
