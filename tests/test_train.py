@@ -161,7 +161,8 @@ def test_interrupted_run_leaves_a_usable_checkpoint(micro_config, tmp_path):
 def test_entry_points_exit_with_the_errors_code_and_one_line(capsys):
     from lit_spec.errors import one_line_errors
 
-    for error, code in [(ConfigError("method.lr=-1: must be > 0"), 2), (Interrupted("training stopped", "SIGTERM"), 143),
+    for error, code in [(ConfigError("method.lr=-1: must be > 0"), 2),
+                        (Interrupted("training stopped", "SIGTERM"), 143),
                         (Interrupted("collection stopped", "SIGINT"), 130)]:
         with pytest.raises(SystemExit) as stop, one_line_errors():
             raise error
