@@ -31,10 +31,10 @@ def chimera(model, seed: int = 0, **kwargs) -> ChimeraDraft:
     return draft.eval()
 
 
-def medusa(model, seed: int = 0) -> MedusaHeads:
+def medusa(model, seed: int = 0, **kwargs) -> MedusaHeads:
     c = model.config
     torch.manual_seed(seed)
-    heads = MedusaHeads(c.hidden_size, c.vocab_size).init_from_base(model)
+    heads = MedusaHeads(c.hidden_size, c.vocab_size, **kwargs).init_from_base(model)
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -160,6 +160,30 @@ def test_save_load_gives_the_same_decoder(models, tmp_path):
         assert sorted(p.name for p in (tmp_path / heads.kind).iterdir()) == ["heads.json", "heads.safetensors"]
 
 
+def test_heads_sharing_the_lm_head_project_with_the_base_and_save_without_it(models, tmp_path):
+    """shared_lm_head: each head's logits are the base's LM head of its own state; the LM head is neither a
+    parameter nor saved; decoding stays lossless, and loaded heads bind the base's head again."""
+    model = models["llama"]
+    ids, mask = random_prompts(1, [6], seed=12)
+    ref = reference_greedy(model, ids, mask, 24)
+    for heads in (chimera(model, shared_lm_head=True), medusa(model, shared_lm_head=True)):
+        head = heads.heads[1]
+        x = torch.randn(3, getattr(head.proj, "in_features", heads.hidden_size))
+        assert torch.equal(head(x), model.get_output_embeddings()(head.block(head.proj(x))))
+        lm_head = model.get_output_embeddings().weight
+        assert not any(p is lm_head for p in heads.parameters())
+        assert not any(k.split(".")[-2] == "out" for k in heads.state_dict())
+        out = generate(model, ids, heads.kind, max_new_tokens=24, heads=heads, tree=[2, 2, 1])
+        assert torch.equal(out.sequences, ref) and out.stats.draft_forwards > 0
+        save_heads(heads, tmp_path / heads.kind, base_model={"name_or_path": "random"})
+        loaded, _ = load_heads(tmp_path / heads.kind)
+        assert loaded.shared_lm_head
+        with pytest.raises(RuntimeError, match="attach"):
+            loaded.heads[0](x)
+        again = generate(model, ids, heads.kind, max_new_tokens=24, heads=str(tmp_path / heads.kind), tree=[2, 2, 1])
+        assert torch.equal(again.sequences, ref) and again.stats.target_forwards == out.stats.target_forwards
+
+
 def test_ngram_cache_changes_nothing_but_the_work(models):
     model = models["llama"]
     draft = chimera(model)
@@ -216,10 +240,13 @@ def test_bad_input_is_a_config_error(models, tmp_path):
 
 
 # ---- training ---------------------------------------------------------------------------------------------------
-def test_a_training_step_changes_the_heads_only(micro_config):
-    module, datamodule = built_method(micro_config("method=chimera"))
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_training_step_changes_the_heads_only(micro_config, shared):
+    module, datamodule = built_method(micro_config("method=chimera", f"method.shared_lm_head={shared}"))
     _, changed = heads_training_step(module, next(iter(datamodule.train_dataloader())))
     assert any(changed)
+    own = [k for k in module.heads.state_dict() if k.split(".")[-2] == "out"]
+    assert len(own) == (0 if shared else module.heads.num_heads)
 
 
 def test_a_batch_without_answer_tokens_gives_a_zero_loss(micro_config):

@@ -21,6 +21,9 @@ from lit_spec.config import build, compose_config
 from lit_spec.decoding import generate
 from lit_spec.errors import ConfigError
 from lit_spec.models import train_bpe_tokenizer
+from lit_spec.models.chimera import ChimeraDraft
+from lit_spec.models.draft_heads import MedusaHeads
+from lit_spec.models.hidden_transfer import HiddenTransfer
 from lit_spec.stages import ensure_stages, find_stages
 
 HEADS, KV_HEADS = 4, 2
@@ -135,14 +138,24 @@ def humaneval_prompts(tok, names: list[str]) -> list[torch.Tensor]:
 def test_smollm2_decoders_equal_transformers_greedy_generate(smollm2):
     """Every greedy decoder, on two HumanEval prompts through the chat template, in fp32: token-identical to
     transformers' greedy generate. The drafting methods get a draft that shares the vocabulary and agrees with the
-    target on ~70% of tokens (SmolLM2 with weight noise), so both acceptance and rejection happen."""
+    target on ~70% of tokens (SmolLM2 with weight noise), so both acceptance and rejection happen; the heads methods
+    get untrained heads (Medusa's and Chimera's sharing the LM head, Hidden Transfer's maps at the quickstart's
+    layers)."""
     model, tok = smollm2
-    assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152 and tok.chat_template
+    c = model.config
+    assert c.num_hidden_layers == 30 and c.vocab_size == 49152 and tok.chat_template
     draft = noisy_copy(model, 0.02)
+    torch.manual_seed(0)
+    medusa = MedusaHeads(c.hidden_size, c.vocab_size, 2, shared_lm_head=True).init_from_base(model).eval()
+    chimera = ChimeraDraft(c.hidden_size, c.vocab_size, 2, attention_heads=9,
+                           shared_lm_head=True).init_from_base(model).eval()
+    transfer = HiddenTransfer(c.hidden_size, c.vocab_size, layers=[14, 19]).init_from_base(model).eval()
     methods = [("ar", {}), ("jacobi", {"n_tokens": 8}), ("lookahead", {"window": 4, "ngram": 3, "guesses": 4}),
                ("prompt_lookup", {}), ("speculative", {"draft_model": draft, "gamma": 4}),
                ("ouroboros", {"draft_model": draft, "gamma": 4, "window": 3, "ngram": 3}),
-               ("tree", {"draft_model": draft, "tree": [2, 2, 1]})]
+               ("tree", {"draft_model": draft, "tree": [2, 2, 1]}), ("medusa", {"heads": medusa, "tree": [2, 1]}),
+               ("chimera", {"heads": chimera, "tree": [2, 1]}),
+               ("hidden_transfer", {"transfer": transfer, "tree": [2, 1]})]
     drafted = accepted = 0
     for ids in humaneval_prompts(tok, ["HumanEval/0", "HumanEval/35"]):
         reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,

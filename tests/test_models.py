@@ -66,6 +66,40 @@ def test_hf_spec_through_the_hf_config(llama_dir):
     spec.validate()
 
 
+def test_hf_spec_without_weights_or_with_other_sizes_is_one_clear_error(tmp_path, bpe):
+    import json
+
+    save_llama(tmp_path, bpe, vocab_size=len(bpe))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"vocab_size": len(bpe) + 8}))
+    with pytest.raises(ConfigError, match="weights do not fit its config.json"):
+        HFModelSpec(name_or_path=str(tmp_path)).load_model()
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="config.json but no weights"):
+        HFModelSpec(name_or_path=str(tmp_path)).validate()
+
+
+def test_hf_spec_keeps_the_first_layers(tmp_path, bpe):
+    """keep_layers=N: the model's first N layers, embeddings, final norm and LM head, with their weights."""
+    config = LlamaConfig(vocab_size=len(bpe), hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    full = LlamaForCausalLM(config)
+    full.save_pretrained(tmp_path)
+    bpe.save_pretrained(tmp_path)
+    spec = HFModelSpec(name_or_path=str(tmp_path), dtype="float32", keep_layers=2)
+    spec.validate()
+    cut = spec.load_model()
+    assert len(cut.model.layers) == cut.config.num_hidden_layers == 2
+    kept = cut.state_dict()
+    assert kept and all(torch.equal(v, full.state_dict()[k]) for k, v in kept.items())
+    assert set(full.state_dict()) - set(kept) == {k for k in full.state_dict() if k.startswith("model.layers.2.")}
+    with pytest.raises(ConfigError, match="only 3 layers"):
+        HFModelSpec(name_or_path=str(tmp_path), keep_layers=4).validate()
+    with pytest.raises(ConfigError, match="keep_layers"):
+        HFModelSpec(name_or_path=str(tmp_path), keep_layers=0)
+
+
 @pytest.mark.parametrize("relative", [False, True])
 def test_hf_spec_missing_local_directory(tmp_path, monkeypatch, relative):
     monkeypatch.chdir(tmp_path)

@@ -118,6 +118,36 @@ def test_answers_are_cut_and_the_quickstarts_take_them(answers):
         assert isinstance(build(cfg.data), SelfDistilledDataModule), experiment
 
 
+@pytest.mark.parametrize("method", ["medusa", "chimera"])
+def test_cached_base_states_equal_recomputed_ones(answers, tmp_path, method):
+    """data.base_states: the stage caches the frozen base's last states and greedy tokens of every answer once (its
+    own key); a cached state equals the base's recomputed one (each answer alone, in the cache's bf16), and the
+    heads' loss with them is the loss with the base's forward."""
+    import torch
+
+    from conftest import built_method, make_config
+
+    cfg = make_config(tmp_path / "run", [*MICRO_MODEL, f"method={method}", "data=self_distilled",
+                                         f"data.path={answers}", "data.base_states.enabled=true",
+                                         f"paths.cache_dir={tmp_path / 'cache'}"])
+    module, data = built_method(cfg)
+    assert Path(cfg.data.base_states.path).name.startswith("base_states-")
+    other = make_config(tmp_path / "run", [*MICRO_MODEL, "data=self_distilled", f"data.path={answers}",
+                                           "data.base_states.enabled=true", "data.max_answer_tokens=3",
+                                           f"paths.cache_dir={tmp_path / 'cache'}"])
+    assert stages.find_stages(other)[-1].output != Path(cfg.data.base_states.path)
+    batch = next(iter(data.train_dataloader()))
+    with torch.no_grad():
+        for i, n in enumerate(batch["attention_mask"].sum(1).tolist()):
+            out = module.model(input_ids=batch["input_ids"][i:i + 1, :n], output_hidden_states=True)
+            assert torch.equal(batch["base_hidden"][i, :n], out.hidden_states[-1][0].to(torch.bfloat16))
+            assert torch.equal(batch["base_next"][i, :n], out.logits[0].argmax(-1))
+        cached = module.training_step(batch, 0).item()
+        computed = module.training_step({k: v for k, v in batch.items() if not k.startswith("base_")}, 0).item()
+    assert cached == pytest.approx(computed, rel=2e-2) and cached != computed     # bf16 states: close, not equal
+    assert stages.find_stages(cfg)[-1].built()
+
+
 def test_cllm_refuses_an_answers_only_collection(answers):
     with pytest.raises(DataError, match="answers-only collection .*collect.decoder=null"):
         TrajectoryDataModule(path=str(answers)).setup("fit")

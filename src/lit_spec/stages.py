@@ -21,6 +21,9 @@ options left out):
   (processes and strategy do not change the output); resumable.
 - ``answers`` (``data=self_distilled`` with ``data.path`` null): the target's own greedy answers, the same collection
   with ``collect.decoder=ar`` (answers only), keyed and resumable the same way.
+- ``base_states`` (``data=self_distilled`` with ``data.base_states.enabled=true``): the frozen base's last hidden states
+  and greedy next tokens of every answer (``lit_spec/data/base_states.py``); keyed by the model, the answers and how
+  they are cut.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_spec.config import build, cache_entry, compose_config, config_dir, config_hash
 from lit_spec.data.trajectories import META, read_meta
+from lit_spec.data.base_states import FILE as BASE_STATES_FILE
+from lit_spec.data.base_states import BaseStates, build_base_states
 from lit_spec.data.self_distilled import SelfDistilledDataModule
 from lit_spec.data.trajectory_data import TrajectoryDataModule
 from lit_spec.errors import ConfigError, one_line_errors
@@ -106,6 +111,23 @@ def collection_stage(kind: str, node: DictConfig) -> Stage:
                  partial(_one_process, cfg, overrides))
 
 
+def base_states_stage(node: DictConfig) -> Stage:
+    what = OmegaConf.to_container(node, resolve=True)
+    for key in ("_target_", "enabled", "path", "cache_dir"):
+        what.pop(key)
+    what["model"].pop("cache_dir", None)
+    out = cache_entry(node.cache_dir, f"base_states-{config_hash(what)}")
+    return Stage(out.name, None, out, partial(build_base_states_stage, node, out), (out / BASE_STATES_FILE).is_file,
+                 lambda: False)
+
+
+def build_base_states_stage(node: DictConfig, out: Path) -> None:
+    states = build(node)
+    answers = SelfDistilledDataModule(path=states.answers, max_answer_tokens=states.max_answer_tokens,
+                                      max_train_records=states.max_train_records)
+    build_base_states(states.model, answers.records(), states.dtype, out)
+
+
 def gguf_stage(node: DictConfig) -> Stage:
     source, file = node.name_or_path, node.gguf_file
     local = gguf_path(source, file)          # None for a hub id: keyed by id, file and revision
@@ -118,8 +140,8 @@ def gguf_stage(node: DictConfig) -> Stage:
 KINDS: dict[type, Callable[[DictConfig], Stage]] = {
     TinyModelSpec: tiny_model_stage, StageModelSpec: experiment_stage, HFModelSpec: gguf_stage,
     TrajectoryDataModule: partial(collection_stage, "trajectories"),
-    SelfDistilledDataModule: partial(collection_stage, "answers")}
-OUTPUT_KEY = {TrajectoryDataModule: "path", SelfDistilledDataModule: "path"}   # models: name_or_path
+    SelfDistilledDataModule: partial(collection_stage, "answers"), BaseStates: base_states_stage}
+OUTPUT_KEY = {TrajectoryDataModule: "path", SelfDistilledDataModule: "path", BaseStates: "path"}  # models: name_or_path
 
 
 def run_training_stage(cfg: DictConfig) -> None:
@@ -161,6 +183,8 @@ def _kind(node: DictConfig) -> type | None:
     if kind in OUTPUT_KEY and node.get(OUTPUT_KEY[kind]) is not None:     # a given collection
         return None
     if kind is HFModelSpec and not node.get("gguf_file"):
+        return None
+    if kind is BaseStates and not node.get("enabled"):
         return None
     return kind
 

@@ -1,3 +1,4 @@
+from lit_spec.data.base_states import BaseStates
 from lit_spec.data.datamodule import (IGNORE_INDEX, AnswerBatches, PromptDataModule, batch_size, collate_answers,
                                      num_tokens)
 from lit_spec.data.metrics import METRICS, get_metric
@@ -6,7 +7,6 @@ from lit_spec.data.templates import PromptTemplate
 from lit_spec.data.self_distilled import SelfDistilledDataModule
 from lit_spec.data.trajectory_data import TrajectoryDataModule
 
-__all__ = ["IGNORE_INDEX", "METRICS", "AnswerBatches", "PromptDataModule", "SelfDistilledDataModule", "PromptTemplate",
-           "HFSource", "StdlibCodeSource",
-           "TrajectoryDataModule", "batch_size", "collate_answers", "get_metric", "mbpp_tests", "num_tokens",
+__all__ = ["IGNORE_INDEX", "METRICS", "AnswerBatches", "BaseStates", "PromptDataModule", "SelfDistilledDataModule",
+           "PromptTemplate", "HFSource", "StdlibCodeSource", "TrajectoryDataModule", "batch_size", "collate_answers", "get_metric", "mbpp_tests", "num_tokens",
            "sharegpt_first_turn"]

@@ -108,7 +108,7 @@ def load_draft(heads, kind: type, model) -> DraftHeads:
     if (heads.hidden_size, heads.vocab_size) != (size, vocab):
         raise ConfigError(f"heads: trained for hidden size {heads.hidden_size} and vocabulary {heads.vocab_size}, "
                           f"but the model has {size} and {vocab}: load them onto the base they were trained on")
-    return heads
+    return heads.attach(model)
 
 
 @register("medusa")

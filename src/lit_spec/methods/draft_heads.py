@@ -53,14 +53,17 @@ class HeadsModule(FrozenBaseModule):
         num_heads: K, the heads (positions drafted after the base's next token).
         labels: ``base`` (self-distillation) or ``data``.
         tree: the static tree of ``decoders()`` (top-k per depth, or Medusa-style paths); depth <= K.
+        shared_lm_head: the heads project with the base's frozen LM head instead of their own trainable copies.
     """
 
-    def __init__(self, model_spec, num_heads: int = 4, labels: str = "base", tree=(3, 2, 1, 1), **kwargs):
+    def __init__(self, model_spec, num_heads: int = 4, labels: str = "base", tree=(3, 2, 1, 1),
+                 shared_lm_head: bool = False, **kwargs):
         check_count("method.num_heads", num_heads)
         if labels not in LABELS:
             raise ConfigError(f"method.labels={labels!r}: choose one of {list(LABELS)}")
         tree = check_tree(tree, num_heads, f"method.num_heads={num_heads}")
-        super().__init__(model_spec, num_heads=num_heads, labels=labels, tree=tree, **kwargs)
+        super().__init__(model_spec, num_heads=num_heads, labels=labels, tree=tree,
+                         shared_lm_head=bool(shared_lm_head), **kwargs)
 
     def build_heads(self, config) -> DraftHeads:
         raise NotImplementedError
@@ -70,11 +73,14 @@ class HeadsModule(FrozenBaseModule):
 
     # ---- losses ---------------------------------------------------------------------------------------------
     def _base(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The frozen base's embeddings, last hidden states and greedy next tokens of the batch."""
+        """The frozen base's embeddings, last hidden states and greedy next tokens of the batch: its forward, or the
+        states cached once by the ``base_states`` stage (``data.base_states.enabled``)."""
         with torch.no_grad():
+            embeds = self.model.get_input_embeddings()(batch["input_ids"])
+            if "base_hidden" in batch:
+                return embeds, batch["base_hidden"].to(embeds.dtype), batch["base_next"]
             out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              output_hidden_states=True)
-            embeds = self.model.get_input_embeddings()(batch["input_ids"])
         return embeds, out.hidden_states[-1], out.logits.argmax(-1)
 
     def _step(self, batch: dict, stage: str) -> torch.Tensor:
@@ -139,7 +145,7 @@ class ChimeraModule(HeadsModule):
         hp = self.hparams
         return ChimeraDraft(config.hidden_size, config.vocab_size, hp.num_heads, hp.ngram, hp.residual,
                             hp.attention_heads or config.num_attention_heads, hp.ffn_size,
-                            getattr(config, "rms_norm_eps", 1e-6))
+                            getattr(config, "rms_norm_eps", 1e-6), hp.shared_lm_head)
 
     def decoders(self) -> dict:
         return {"chimera": ChimeraDecoder(self.model, self.heads, tree=self.hparams.tree,
@@ -153,7 +159,7 @@ class MedusaModule(HeadsModule):
         super().__init__(model_spec, next_word_weight=next_word_weight, **kwargs)
 
     def build_heads(self, config) -> MedusaHeads:
-        return MedusaHeads(config.hidden_size, config.vocab_size, self.hparams.num_heads)
+        return MedusaHeads(config.hidden_size, config.vocab_size, self.hparams.num_heads, self.hparams.shared_lm_head)
 
     def decoders(self) -> dict:
         return {"medusa": MedusaDecoder(self.model, self.heads, tree=self.hparams.tree)}

@@ -97,15 +97,16 @@ class ChimeraDraft(DraftHeads):
     kind = "chimera"
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, ngram: int = 3, residual: bool = True,
-                 attention_heads: int = 4, ffn_size: int | None = None, eps: float = 1e-6):
-        super().__init__(hidden_size, vocab_size, num_heads)
+                 attention_heads: int = 4, ffn_size: int | None = None, eps: float = 1e-6,
+                 shared_lm_head: bool = False):
+        super().__init__(hidden_size, vocab_size, num_heads, shared_lm_head)
         self.ngram, self.residual, self.attention_heads = check_count("ngram", ngram), bool(residual), attention_heads
         self.ffn_size, self.eps = ffn_size or 4 * hidden_size, eps
         d = hidden_size
         self.ngram_encoder = nn.Sequential(nn.Linear(self.ngram * d, d), nn.SiLU(), nn.Linear(d, d))   # eq. 2
         self.block = FullContextBlock(d, attention_heads, self.ffn_size, eps)                     # eq. 3
-        self.heads = nn.ModuleList(DecodingHead(2 * d if self.residual else d, d, vocab_size)     # eq. 4
-                                   for _ in range(num_heads))
+        self.heads = nn.ModuleList(DecodingHead(2 * d if self.residual else d, d, vocab_size, shared_lm_head)
+                                   for _ in range(num_heads))                                     # eq. 4
 
     @property
     def config(self) -> dict:

@@ -8,6 +8,11 @@ only their parameters; the base, embeddings and LM head included, is frozen and 
 
 Medusa-1 (Cai et al. 2024): head k = vocabulary projection (initialised from the base's LM head) of a ResBlock
 (initialised to the identity) of ``h_LLM_n``.
+
+``shared_lm_head=True`` gives every head the base's frozen LM head as its vocabulary projection instead of a
+trainable copy (as EAGLE's draft does): on SmolLM2 a copy is 49,152 x 576 = 28 M trainable parameters per head,
+which dominates a training step on CPU (experiments/RESULTS.md). The shared projection is bound by
+``attach(base)``, never saved, and the heads' ``heads.json`` records the choice.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ class ResBlock(nn.Module):
 
 class DecodingHead(nn.Module):
     """Linear(in -> d) (absent when in == d; initialised to pass the first d inputs through), ResBlock,
-    Linear(d -> V)."""
+    Linear(d -> V): its own (``out``), or the base's LM head bound by ``share`` (held outside the module's
+    parameters, so it is neither trained nor saved)."""
 
-    def __init__(self, in_size: int, hidden_size: int, vocab_size: int):
+    def __init__(self, in_size: int, hidden_size: int, vocab_size: int, shared_lm_head: bool = False):
         super().__init__()
         self.proj = nn.Identity()
         if in_size != hidden_size:
@@ -44,10 +50,17 @@ class DecodingHead(nn.Module):
                 self.proj.weight.zero_()
                 self.proj.weight[:, :hidden_size].copy_(torch.eye(hidden_size))
         self.block = ResBlock(hidden_size)
-        self.out = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.out = None if shared_lm_head else nn.Linear(hidden_size, vocab_size, bias=False)
+        self._shared: tuple[nn.Module, ...] = ()
+
+    def share(self, lm_head: nn.Module) -> None:
+        self._shared = (lm_head,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.block(self.proj(x)))
+        if self.out is None and not self._shared:
+            raise RuntimeError("draft heads with shared_lm_head=True need attach(base) before use")
+        out = self.out if self.out is not None else self._shared[0]
+        return out(self.block(self.proj(x)))
 
 
 class DraftHeads(nn.Module):
@@ -56,26 +69,42 @@ class DraftHeads(nn.Module):
 
     kind = "heads"
 
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int):
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, shared_lm_head: bool = False):
         super().__init__()
         self.hidden_size = check_count("hidden_size", hidden_size)
         self.vocab_size = check_count("vocab_size", vocab_size)
         self.num_heads = check_count("num_heads", num_heads)
+        self.shared_lm_head = bool(shared_lm_head)
 
     @property
     def config(self) -> dict:
-        return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "num_heads": self.num_heads}
+        return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "num_heads": self.num_heads,
+                "shared_lm_head": self.shared_lm_head}
+
+    def _base_lm_head(self, base) -> nn.Module:
+        lm_head = base.get_output_embeddings()
+        if tuple(lm_head.weight.shape) != (self.vocab_size, self.hidden_size):
+            raise ConfigError(f"heads for hidden size {self.hidden_size} and vocabulary {self.vocab_size} do not fit "
+                              f"a base whose LM head is {tuple(lm_head.weight.shape)}")
+        return lm_head
+
+    def attach(self, base) -> "DraftHeads":
+        """Bind the base's LM head to every head when they share it (trained or loaded heads alike)."""
+        if self.shared_lm_head:
+            lm_head = self._base_lm_head(base)
+            for head in self.heads:
+                head.share(lm_head)
+        return self
 
     def init_from_base(self, base) -> "DraftHeads":
-        """Copy the base's LM head into every head's vocabulary projection (as Medusa does)."""
-        weight = base.get_output_embeddings().weight
-        if tuple(weight.shape) != (self.vocab_size, self.hidden_size):
-            raise ConfigError(f"heads for hidden size {self.hidden_size} and vocabulary {self.vocab_size} do not fit "
-                              f"a base whose LM head is {tuple(weight.shape)}")
-        with torch.no_grad():
-            for head in self.heads:
-                head.out.weight.copy_(weight)
-        return self
+        """New heads: copy the base's LM head into every head's own vocabulary projection (as Medusa does), or
+        share it (``shared_lm_head``)."""
+        weight = self._base_lm_head(base).weight
+        if not self.shared_lm_head:
+            with torch.no_grad():
+                for head in self.heads:
+                    head.out.weight.copy_(weight)
+        return self.attach(base)
 
 
 class MedusaHeads(DraftHeads):
@@ -83,9 +112,10 @@ class MedusaHeads(DraftHeads):
 
     kind = "medusa"
 
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4):
-        super().__init__(hidden_size, vocab_size, num_heads)
-        self.heads = nn.ModuleList(DecodingHead(hidden_size, hidden_size, vocab_size) for _ in range(num_heads))
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, shared_lm_head: bool = False):
+        super().__init__(hidden_size, vocab_size, num_heads, shared_lm_head)
+        self.heads = nn.ModuleList(DecodingHead(hidden_size, hidden_size, vocab_size, shared_lm_head)
+                                   for _ in range(num_heads))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., d] base states -> [..., K, V] logits of tokens n+2..n+1+K."""

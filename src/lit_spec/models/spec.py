@@ -18,6 +18,7 @@ from lit_spec.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 DTYPES = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -37,6 +38,9 @@ class HFModelSpec:
             package's directory), or an absolute path: the ``gguf`` stage (``lit_spec.stages``) de-quantises it once
             into ``cache_dir/gguf-<key>`` in ``dtype`` and points ``name_or_path`` there (``gguf_file`` is then null).
         cache_dir: where stages are cached.
+        keep_layers: keep only the first this many decoder layers (with the embeddings, final norm and LM
+            head): a small draft initialised from the model's own weights (``method=draft_distill``'s student);
+            null: all of them.
     """
 
     name_or_path: str
@@ -47,10 +51,15 @@ class HFModelSpec:
     revision: str | None = None
     gguf_file: str | None = None
     cache_dir: str | None = None
+    keep_layers: int | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+        layers = self.keep_layers
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+            raise ConfigError(f"model.keep_layers={self.keep_layers!r}: give a layer count >= 1, or "
+                              "null for all of the model's layers")
 
     def _load_kwargs(self) -> dict:
         return {"trust_remote_code": self.trust_remote_code, "revision": self.revision}
@@ -68,6 +77,9 @@ class HFModelSpec:
             if not (path / "config.json").is_file():
                 raise ConfigError(f"model.name_or_path={self.name_or_path}: a directory without config.json; "
                                   "point it at a save_pretrained directory")
+            if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+                raise ConfigError(f"model.name_or_path={self.name_or_path}: config.json but no weights "
+                                  f"({', '.join(WEIGHT_FILES)}); point it at a complete save_pretrained directory")
         elif self.name_or_path.startswith((".", "/", "~")):
             raise ConfigError(f"model.name_or_path={self.name_or_path}: no such directory")
         try:
@@ -86,6 +98,10 @@ class HFModelSpec:
     def config_vocab_size(self) -> int | None:
         """The vocabulary size the model's config names (reads config.json only, no weights)."""
         config = AutoConfig.from_pretrained(self.name_or_path, **self._load_kwargs())
+        layers = getattr(config, "num_hidden_layers", None)
+        if self.keep_layers is not None and layers is not None and self.keep_layers > layers:
+            raise ConfigError(f"model.keep_layers={self.keep_layers}: {self.name_or_path} has only "
+                              f"{layers} layers")
         return getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", None)
 
     def load_tokenizer(self):
@@ -98,7 +114,16 @@ class HFModelSpec:
         kwargs = self._load_kwargs() | {"dtype": DTYPES[self.dtype]}
         if self.attn_implementation:
             kwargs["attn_implementation"] = self.attn_implementation
-        model = AutoModelForCausalLM.from_pretrained(self.name_or_path, **kwargs)
+        if self.keep_layers is not None:      # a config override: the later layers' weights are not loaded
+            kwargs["num_hidden_layers"] = self.keep_layers
+        try:
+            model = AutoModelForCausalLM.from_pretrained(self.name_or_path, **kwargs)
+        except RuntimeError as e:
+            if "ignore_mismatched_sizes" not in str(e):
+                raise
+            raise ConfigError(f"model.name_or_path={self.name_or_path}: its weights do not fit its config.json (a "
+                              "size mismatch, listed above: e.g. vocab_size); use the config the weights were saved "
+                              "with") from None
         if self.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
