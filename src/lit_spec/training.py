@@ -96,9 +96,9 @@ def check_checkpoint(path: Path, method: type, max_steps: int) -> None:
     except Exception as e:        # a zip that is not torch's, a text file, a truncated file: all unreadable the same
         raise ConfigError(f"ckpt_path={path}: not a readable Lightning checkpoint ({type(e).__name__}); pass a "
                           ".ckpt file from an earlier run's checkpoints/") from None
-    saved = checkpoint.get("method")
-    if saved is not None and saved != method.__name__:
-        raise ConfigError(f"ckpt_path={path}: a checkpoint of {saved}, but this run trains {method.__name__}; "
+    saved = checkpoint.get("method")      # the checkpointed method's class and the method classes it extends
+    if saved and method.__name__ not in saved:
+        raise ConfigError(f"ckpt_path={path}: a checkpoint of {saved[0]}, but this run trains {method.__name__}; "
                           "resume with the method it was trained with, or start without ckpt_path")
     step = checkpoint.get("global_step", 0)
     if max_steps is not None and 0 <= max_steps <= step:

@@ -49,7 +49,7 @@ class ResumableLoader(DataLoader):
         self._served = 0
 
     def __iter__(self):
-        self._served = self.sampler.start // self.batch_size
+        self._served = self.sampler.start // self.batch_size if isinstance(self.sampler, EpochOrder) else 0
         for batch in super().__iter__():
             self._served += 1
             yield batch

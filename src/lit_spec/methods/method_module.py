@@ -54,8 +54,10 @@ class MethodModule(L.LightningModule):
         return {}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Name the method in every checkpoint: resuming it with another one is refused (``check_checkpoint``)."""
-        checkpoint["method"] = type(self).__name__
+        """Name the method (its class and the method classes it extends) in every checkpoint: resuming it with
+        another one is refused (``check_checkpoint``)."""
+        checkpoint["method"] = [c.__name__ for c in type(self).__mro__
+                                if issubclass(c, MethodModule) and c is not MethodModule]
 
     def configure_optimizers(self):
         return build_optimizer(self, self.hparams)
