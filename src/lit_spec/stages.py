@@ -41,8 +41,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_spec.config import build, cache_entry, compose_config, config_dir, config_hash
 from lit_spec.data.trajectories import META, read_meta
-from lit_spec.data.base_states import FILE as BASE_STATES_FILE
-from lit_spec.data.base_states import BaseStates, build_base_states
+from lit_spec.data.base_states import FILE as BASE_STATES_FILE, BaseStates, build_base_states
 from lit_spec.data.self_distilled import SelfDistilledDataModule
 from lit_spec.data.trajectory_data import TrajectoryDataModule
 from lit_spec.errors import ConfigError, one_line_errors

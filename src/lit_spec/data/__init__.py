@@ -8,5 +8,5 @@ from lit_spec.data.self_distilled import SelfDistilledDataModule
 from lit_spec.data.trajectory_data import TrajectoryDataModule
 
 __all__ = ["IGNORE_INDEX", "METRICS", "AnswerBatches", "BaseStates", "PromptDataModule", "SelfDistilledDataModule",
-           "PromptTemplate", "HFSource", "StdlibCodeSource", "TrajectoryDataModule", "batch_size", "collate_answers", "get_metric", "mbpp_tests", "num_tokens",
-           "sharegpt_first_turn"]
+           "PromptTemplate", "HFSource", "StdlibCodeSource", "TrajectoryDataModule", "batch_size", "collate_answers",
+           "get_metric", "mbpp_tests", "num_tokens", "sharegpt_first_turn"]
