@@ -10,11 +10,11 @@ from conftest import built_method, heads_training_step
 from random_models import ARCHS, greedy_with_mid_output_eos, random_model, random_prompts, reference_greedy
 
 from lit_spec.decoding import generate
-from lit_spec.decoding.draft_heads import ChimeraCandidates, ChimeraDecoder
+from lit_spec.decoding.draft_heads import ChimeraCandidates, ChimeraDecoder, MedusaCandidates
 from lit_spec.decoding.state import DecodeState
 from lit_spec.errors import ConfigError
 from lit_spec.models.chimera import ChimeraDraft, NGramCache, full_context_mask, ngram_inputs
-from lit_spec.models.draft_heads import MedusaHeads
+from lit_spec.models.draft_heads import DraftVocab, MedusaHeads
 from lit_spec.models.saved_heads import load_heads, save_heads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,7 +100,8 @@ def test_decoding_drafts_what_training_predicts(residual):
     state = DecodeState(model, ids, mask, 10, None, record_hidden=True)
     first = int(state.prefill()[0].argmax())
     state.commit([[first]], advance=[0])
-    candidates = ChimeraCandidates(draft, model.get_input_embeddings(), NGramCache(0), ids[0].tolist())
+    candidates = ChimeraCandidates(draft, DraftVocab(draft), model.get_input_embeddings(), NGramCache(0),
+                                   ids[0].tolist())
     top = candidates(state, draft.num_heads, 5)
     # + the last depth's top-1 as well: training computes a head's logits where its label token exists
     sequence = torch.tensor([ids[0].tolist() + [first] + top[:, 0].tolist()])
@@ -172,7 +173,7 @@ def test_heads_sharing_the_lm_head_project_with_the_base_and_save_without_it(mod
         assert torch.equal(head(x), model.get_output_embeddings()(head.block(head.proj(x))))
         lm_head = model.get_output_embeddings().weight
         assert not any(p is lm_head for p in heads.parameters())
-        assert not any(k.split(".")[-2] == "out" for k in heads.state_dict())
+        assert not any(k.endswith(".out.weight") for k in heads.state_dict())
         out = generate(model, ids, heads.kind, max_new_tokens=24, heads=heads, tree=[2, 2, 1])
         assert torch.equal(out.sequences, ref) and out.stats.draft_forwards > 0
         save_heads(heads, tmp_path / heads.kind, base_model={"name_or_path": "random"})
@@ -182,6 +183,57 @@ def test_heads_sharing_the_lm_head_project_with_the_base_and_save_without_it(mod
             loaded.heads[0](x)
         again = generate(model, ids, heads.kind, max_new_tokens=24, heads=str(tmp_path / heads.kind), tree=[2, 2, 1])
         assert torch.equal(again.sequences, ref) and again.stats.target_forwards == out.stats.target_forwards
+
+
+def _decode_state(model, seed: int) -> DecodeState:
+    ids, mask = random_prompts(1, [7], seed=seed)
+    state = DecodeState(model, ids, mask, 10, None, record_hidden=True)
+    state.commit([[int(state.prefill()[0].argmax())]], advance=[0])
+    return state
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_draft_vocab_drafts_the_most_frequent_labels_only_and_stays_lossless(models, shared):
+    """FR-Spec: with draft_vocab=N the heads' candidates are the top-k of their logits over the N tokens counted
+    most often in training, nothing else; decoding still equals greedy decoding."""
+    model = models["llama"]
+    vocab = model.config.vocab_size
+    for heads in (chimera(model, shared_lm_head=shared), medusa(model, shared_lm_head=shared)):
+        torch.manual_seed(1)
+        heads.count_tokens(torch.randint(0, vocab, (4 * vocab,)))
+        subset = heads.token_counts.topk(12).indices
+        outside = torch.ones(vocab, dtype=torch.bool)
+        outside[subset] = False
+        state = _decode_state(model, seed=5)
+        if heads.kind == "medusa":
+            full = heads(state.hidden[0, -1])[:3]
+            top = MedusaCandidates(heads, DraftVocab(heads, 12))(state, 3, 4)
+            assert torch.equal(top, full.masked_fill(outside, -torch.inf).topk(4).indices)
+        else:
+            top = ChimeraCandidates(heads, DraftVocab(heads, 12), model.get_input_embeddings(), NGramCache(0),
+                                    state.prompt[0].tolist())(state, 3, 4)
+        assert torch.isin(top, subset).all() and top.shape == (3, 4)
+        for p, tree in enumerate([[3, 2, 1, 1], [[0], [1], [0, 0]]]):
+            ids, mask = random_prompts(1, [6], seed=40 + p)
+            ref = reference_greedy(model, ids, mask, 24)
+            out = generate(model, ids, heads.kind, max_new_tokens=24, heads=heads, tree=tree, draft_vocab=12)
+            assert torch.equal(out.sequences, ref), (heads.kind, p)
+
+
+def test_draft_vocab_needs_counted_heads_and_room_for_the_tree(models, tmp_path):
+    model = models["llama"]
+    ids, _ = random_prompts(1, [4])
+    with pytest.raises(ConfigError, match="token counts"):
+        generate(model, ids, "medusa", heads=medusa(model), draft_vocab=8)
+    with pytest.raises(ConfigError, match="draft_vocab"):
+        generate(model, ids, "chimera", heads=chimera(model), tree=[3, 2], draft_vocab=2)
+    heads = medusa(model)       # heads saved before token counts existed load with none
+    save_heads(heads, tmp_path, base_model={"name_or_path": "random"})
+    from safetensors.torch import load_file, save_file
+    state = load_file(str(tmp_path / "heads.safetensors"))
+    del state["token_counts"]
+    save_file(state, str(tmp_path / "heads.safetensors"))
+    assert not load_heads(tmp_path)[0].token_counts.any()
 
 
 def test_ngram_cache_changes_nothing_but_the_work(models):
@@ -245,8 +297,10 @@ def test_a_training_step_changes_the_heads_only(micro_config, shared):
     module, datamodule = built_method(micro_config("method=chimera", f"method.shared_lm_head={shared}"))
     _, changed = heads_training_step(module, next(iter(datamodule.train_dataloader())))
     assert any(changed)
-    own = [k for k in module.heads.state_dict() if k.split(".")[-2] == "out"]
+    own = [k for k in module.heads.state_dict() if k.endswith(".out.weight")]
     assert len(own) == (0 if shared else module.heads.num_heads)
+    batch = next(iter(datamodule.train_dataloader()))     # the same first batch: its first head's labels were counted
+    assert module.heads.token_counts.sum() == (batch["labels"][:, 2:] != -100).sum() > 0
 
 
 def test_a_batch_without_answer_tokens_gives_a_zero_loss(micro_config):

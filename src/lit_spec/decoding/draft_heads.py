@@ -1,5 +1,6 @@
 """Draft heads (Chimera, Medusa), decoding part (the models/ and methods/ files of this name build and train them):
-``medusa`` and ``chimera``, tree-verified decoding whose candidates come from draft heads on the target. Greedy verification (``tree``) makes both lossless whatever the heads predict.
+``medusa`` and ``chimera``, tree-verified decoding whose candidates come from draft heads on the target. Greedy
+verification (``tree``) makes both lossless whatever the heads predict.
 
 Each step the heads read the target's last-layer hidden states of the verified prefix (``DecodeState.hidden``, no
 extra target forward) and give the top-k tokens of the next ``depth`` positions after the pending token; the static
@@ -11,6 +12,8 @@ tree (``TreeSpec``) is built from them and verified in one target forward.
   token, the query of depth d+1 the n-gram that ends with depth d's top-1 token (the training mask's view,
   ``models.chimera.full_context_mask``). n-gram states come through the LRU ``NGramCache`` (``ngram_cache`` entries;
   0 disables it).
+- ``draft_vocab``: the heads score only the tokens they were most often trained to predict (FR-Spec,
+  ``models.draft_heads.DraftVocab``); heads sharing one projection are scored in one matrix product.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from lit_spec.decoding.stats import sync_device
 from lit_spec.decoding.tree import TreeDecoder
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.models.chimera import ChimeraDraft, NGramCache
-from lit_spec.models.draft_heads import DraftHeads, MedusaHeads
+from lit_spec.models.draft_heads import DraftHeads, DraftVocab, MedusaHeads
 from lit_spec.models.saved_heads import load_heads
 
 
@@ -38,23 +41,25 @@ def _count_draft(state: DecodeState, start: float, calls: int) -> None:
 
 
 class MedusaCandidates:
-    def __init__(self, heads: MedusaHeads):
-        self.heads = heads
+    def __init__(self, heads: MedusaHeads, vocab: DraftVocab):
+        self.heads, self.vocab = heads, vocab
 
     @torch.no_grad()
     def __call__(self, state: DecodeState, depth: int, k: int) -> torch.Tensor:
         start = time.perf_counter()
-        logits = self.heads(state.hidden[0, -1])[:depth]            # h_LLM_n: the last position cached
+        features = self.heads.features(state.hidden[0, -1])[:depth]   # of h_LLM_n: the last position cached
+        top = self.vocab.topk(features, 0, k)
         _count_draft(state, start, 1)
-        return logits.topk(k, dim=-1).indices
+        return top
 
 
 class ChimeraCandidates:
     """One decode's drafting state: the full-context block's keys/values of the base states (every token but the
     pending one) and of the n-gram states (every token), each computed once."""
 
-    def __init__(self, draft: ChimeraDraft, embed: torch.nn.Module, cache: NGramCache, prompt: list[int]):
-        self.draft, self.embed, self.cache, self.prompt = draft, embed, cache, prompt
+    def __init__(self, draft: ChimeraDraft, vocab: DraftVocab, embed: torch.nn.Module, cache: NGramCache,
+                 prompt: list[int]):
+        self.draft, self.vocab, self.embed, self.cache, self.prompt = draft, vocab, embed, cache, prompt
         self.kv = GrowingLayer()        # the block's keys/values (any order: no positions, no mask when decoding)
         self.base_states = 0                          # tokens whose base state is in ``kv``
         self.encoded = 0                              # tokens whose n-gram state is in ``kv``
@@ -81,7 +86,7 @@ class ChimeraCandidates:
         top = []
         for d in range(depth):
             full = block(query, kv.keys, kv.values, q=q)[0, 0]
-            top.append(draft.heads[d](draft.head_input(llm_last, full)).topk(k).indices)
+            top.append(self.vocab.topk(draft.heads[d].features(draft.head_input(llm_last, full))[None], d, k)[0])
             if d + 1 < depth:                          # the next query: the n-gram ending with this depth's top-1
                 tokens = tokens + [int(top[-1][0])]
                 query = self._ngram_states(tokens, range(len(tokens) - 1, len(tokens)))[None]
@@ -96,6 +101,13 @@ def check_depth(heads: DraftHeads, decoder: TreeDecoder) -> None:
     if decoder.spec.depth > heads.num_heads:
         raise ConfigError(f"{decoder.name}: the tree is {decoder.spec.depth} deep but the heads predict "
                           f"{heads.num_heads} positions: use a tree of depth <= {heads.num_heads}")
+
+
+def check_draft_vocab(draft_vocab: int | None, decoder: TreeDecoder) -> int | None:
+    """FR-Spec's subset size (``DraftVocab``): None (the whole vocabulary) or at least the tree's top-k."""
+    if draft_vocab is not None:
+        check_count("draft_vocab", draft_vocab, minimum=decoder.spec.top_k)
+    return draft_vocab
 
 
 def load_draft(heads, kind: type, model) -> DraftHeads:
@@ -113,30 +125,38 @@ def load_draft(heads, kind: type, model) -> DraftHeads:
 
 @register("medusa")
 class MedusaDecoder(TreeDecoder):
-    """Tree decoding with Medusa-1 heads (``heads``: a ``MedusaHeads`` or a directory from ``save_heads``)."""
+    """Tree decoding with Medusa-1 heads (``heads``: a ``MedusaHeads`` or a directory from ``save_heads``);
+    ``draft_vocab``: score only the heads' most frequent training labels (FR-Spec, ``DraftVocab``; None: all)."""
 
-    record_hidden = True
+    record_hidden, needs_draft = True, False
 
-    def __init__(self, model, heads, tree=(3, 2, 1, 1), **kwargs):
+    def __init__(self, model, heads, tree=(3, 2, 1, 1), draft_vocab: int | None = None, **kwargs):
         self.heads = load_draft(heads, MedusaHeads, model)
-        super().__init__(model, tree=tree, candidates=MedusaCandidates(self.heads), **kwargs)
+        super().__init__(model, tree=tree, **kwargs)
         check_depth(self.heads, self)
+        self.draft_vocab = check_draft_vocab(draft_vocab, self)
+
+    def new_candidates(self, state: DecodeState) -> MedusaCandidates:
+        return MedusaCandidates(self.heads, DraftVocab(self.heads, self.draft_vocab))
 
 
 @register("chimera")
 class ChimeraDecoder(TreeDecoder):
     """Tree decoding with Chimera's draft (``heads``: a ``ChimeraDraft`` or a directory from ``save_heads``);
-    ``ngram_cache``: entries of the LRU n-gram cache (0: off)."""
+    ``ngram_cache``: entries of the LRU n-gram cache (0: off); ``draft_vocab``: as Medusa's."""
 
     record_hidden, needs_draft = True, False
 
-    def __init__(self, model, heads, tree=(3, 2, 1, 1), ngram_cache: int = 4096, **kwargs):
+    def __init__(self, model, heads, tree=(3, 2, 1, 1), ngram_cache: int = 4096, draft_vocab: int | None = None,
+                 **kwargs):
         self.heads = load_draft(heads, ChimeraDraft, model)
         ngram_cache = check_count("ngram_cache", ngram_cache, minimum=0)   # 0 disables the cache
         super().__init__(model, tree=tree, **kwargs)
         check_depth(self.heads, self)
+        self.draft_vocab = check_draft_vocab(draft_vocab, self)
         self.cache = NGramCache(ngram_cache)      # kept across decodes: n-gram states do not depend on context
 
     def new_candidates(self, state: DecodeState) -> ChimeraCandidates:
         prompt = state.prompt[0][state.prompt_mask[0].bool()].tolist()
-        return ChimeraCandidates(self.heads, self.model.get_input_embeddings(), self.cache, prompt)
+        return ChimeraCandidates(self.heads, DraftVocab(self.heads, self.draft_vocab),
+                                 self.model.get_input_embeddings(), self.cache, prompt)

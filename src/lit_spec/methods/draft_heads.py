@@ -11,7 +11,8 @@ predictions; the heads are trained on them:
 Labels ``labels=base`` (self-distillation, the default): y_{n+2+k} is the base's greedy token after the true prefix
 x_<=n+1+k — what verification accepts; ``labels=data``: the dataset's token. Validation logs each head's top-1..5
 accuracy (Table 5's metric) and loss. Only the heads are trainable, checkpointed and exported (safetensors + a
-config naming the base: ``lit_spec.models.saved_heads.save_heads``); ``decoders()`` offers the tree decoder they draft for.
+config naming the base: ``lit_spec.models.saved_heads.save_heads``), with the counts of the labels they were trained on
+(``token_counts``: FR-Spec's ranking for ``draft_vocab``); ``decoders()`` offers the tree decoder they draft for.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class HeadsModule(FrozenBaseModule):
             if n == 0:
                 continue
             picked, labels = self.heads.heads[k](head_inputs[where]), target[where]   # logits of answer tokens only
+            if stage == "train" and k == 0:
+                self.heads.count_tokens(labels)                            # what draft_vocab (FR-Spec) ranks by
             loss_k = F.cross_entropy(picked.float(), labels)
             next_word = next_word + loss_k                                  # eq. 5: summed over heads
             count = max(count, n)

@@ -13,6 +13,9 @@ Medusa-1 (Cai et al. 2024): head k = vocabulary projection (initialised from the
 trainable copy (as EAGLE's draft does): on SmolLM2 a copy is 49,152 x 576 = 28 M trainable parameters per head,
 which dominates a training step on CPU (experiments/RESULTS.md). The shared projection is bound by
 ``attach(base)``, never saved, and the heads' ``heads.json`` records the choice.
+
+``token_counts`` counts the tokens the heads were trained to predict (a saved buffer, filled by training):
+``DraftVocab`` drafts over the most frequent of them only (FR-Spec), a fraction of the vocabulary projection's cost.
 """
 
 from __future__ import annotations
@@ -56,11 +59,18 @@ class DecodingHead(nn.Module):
     def share(self, lm_head: nn.Module) -> None:
         self._shared = (lm_head,)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def projection(self) -> nn.Module:
+        """The vocabulary projection: the head's own, or the base's LM head it shares."""
         if self.out is None and not self._shared:
             raise RuntimeError("draft heads with shared_lm_head=True need attach(base) before use")
-        out = self.out if self.out is not None else self._shared[0]
-        return out(self.block(self.proj(x)))
+        return self.out if self.out is not None else self._shared[0]
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The state the projection reads."""
+        return self.block(self.proj(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projection()(self.features(x))
 
 
 class DraftHeads(nn.Module):
@@ -68,6 +78,7 @@ class DraftHeads(nn.Module):
     from the base; ``kind`` names the class in ``heads.json`` (``models/saved_heads.py``)."""
 
     kind = "heads"
+    counts_labels = True     # a ``token_counts`` buffer of the training labels (heads with a vocabulary projection)
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, shared_lm_head: bool = False):
         super().__init__()
@@ -75,6 +86,12 @@ class DraftHeads(nn.Module):
         self.vocab_size = check_count("vocab_size", vocab_size)
         self.num_heads = check_count("num_heads", num_heads)
         self.shared_lm_head = bool(shared_lm_head)
+        if self.counts_labels:
+            self.register_buffer("token_counts", torch.zeros(vocab_size, dtype=torch.long))
+
+    def count_tokens(self, labels: torch.Tensor) -> None:
+        """Add the labels of a training batch to ``token_counts`` (what ``DraftVocab`` ranks the vocabulary by)."""
+        self.token_counts += torch.bincount(labels.flatten(), minlength=self.vocab_size)
 
     @property
     def config(self) -> dict:
@@ -121,8 +138,47 @@ class MedusaHeads(DraftHeads):
         """[..., d] base states -> [..., K, V] logits of tokens n+2..n+1+K."""
         return torch.stack([head(hidden) for head in self.heads], dim=-2)
 
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., d] base states -> [..., K, d]: what each head's vocabulary projection reads."""
+        return torch.stack([head.features(hidden) for head in self.heads], dim=-2)
+
     def head_inputs(self, embeds: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor):
         """Head k's inputs at every prefix end n in [0, T-k-2) ([B, T-k-2, d]; ``heads[k]`` of them predicts token
         n+2+k); no full-context states."""
         t = hidden.size(1)
         return [hidden[:, : t - k - 2] for k in range(self.num_heads)], None
+
+
+class DraftVocab:
+    """What draft heads score when decoding: the whole vocabulary (``size`` None), or FR-Spec's frequency-ranked
+    subset (Zhao et al. 2025, §3): the ``size`` tokens the heads were most often trained to predict
+    (``token_counts``). A head's cost on a CPU is reading its vocabulary projection (49,152 x 576 on SmolLM2, the
+    size of a quarter of the base's layers), so the subset cuts it by V / size. Verification still scores the whole
+    vocabulary, so a decoder stays lossless; a token outside the subset is never drafted. Built per decode from the
+    heads' current weights; heads sharing one projection (``shared_lm_head``) are scored in one matrix product."""
+
+    def __init__(self, heads: DraftHeads, size: int | None = None):
+        self.ids = None
+        if size is not None and size < heads.vocab_size:
+            if not heads.token_counts.any():
+                raise ConfigError(f"draft_vocab={size}: these heads carry no token counts (saved before training "
+                                  "counted them): retrain them, or use draft_vocab=null (the whole vocabulary)")
+            self.ids = heads.token_counts.topk(size).indices
+        cut: dict[int, tuple] = {}
+        for head in heads.heads:
+            out = head.projection()
+            if id(out) not in cut:
+                weight, bias = out.weight, out.bias
+                cut[id(out)] = (weight, bias) if self.ids is None else (
+                    weight[self.ids], None if bias is None else bias[self.ids])
+        self.weights = [cut[id(head.projection())] for head in heads.heads]
+
+    def topk(self, features: torch.Tensor, first: int, k: int) -> torch.Tensor:
+        """Token ids [H, k] of the top-k of heads ``first``..``first+H-1`` from their features [H, d]."""
+        weights = self.weights[first: first + features.size(0)]
+        if all(w is weights[0] for w in weights):
+            logits = F.linear(features, *weights[0])
+        else:
+            logits = torch.stack([F.linear(f, *w) for f, w in zip(features, weights)])
+        top = logits.topk(k, dim=-1).indices
+        return top if self.ids is None else self.ids[top]

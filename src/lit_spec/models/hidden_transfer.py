@@ -55,6 +55,7 @@ class HiddenTransfer(DraftHeads):
     layers against the base and hooks it."""
 
     kind = "hidden_transfer"
+    counts_labels = False     # its pseudo states go through the base's own layers and LM head
 
     def __init__(self, hidden_size: int, vocab_size: int, layers: list[int], masked: bool = False):
         layers = [int(t) for t in layers] if layers else []

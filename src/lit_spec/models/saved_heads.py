@@ -40,5 +40,8 @@ def load_heads(directory: str | Path) -> tuple[DraftHeads, dict]:
     if meta.get("kind") not in KINDS:
         raise ConfigError(f"{directory / CONFIG}: unknown heads kind {meta.get('kind')!r} (have {sorted(KINDS)})")
     heads = KINDS[meta["kind"]](**meta["config"])
-    heads.load_state_dict(load_file(str(directory / WEIGHTS)))
+    state = load_file(str(directory / WEIGHTS))
+    if heads.counts_labels:
+        state.setdefault("token_counts", heads.token_counts)   # heads saved before training counted their labels
+    heads.load_state_dict(state)
     return heads.eval(), meta["base_model"]
