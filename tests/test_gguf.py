@@ -139,8 +139,8 @@ def test_smollm2_decoders_equal_transformers_greedy_generate(smollm2):
     """Every greedy decoder, on two HumanEval prompts through the chat template, in fp32: token-identical to
     transformers' greedy generate. The drafting methods get a draft that shares the vocabulary and agrees with the
     target on ~70% of tokens (SmolLM2 with weight noise), so both acceptance and rejection happen; the heads methods
-    get untrained heads (Medusa's and Chimera's sharing the LM head, Hidden Transfer's maps at the quickstart's
-    layers)."""
+    get untrained heads (Medusa's and Chimera's sharing the LM head, also drafting from a 256-token subset, Hidden
+    Transfer's maps at the quickstart's layers)."""
     model, tok = smollm2
     c = model.config
     assert c.num_hidden_layers == 30 and c.vocab_size == 49152 and tok.chat_template
@@ -150,14 +150,19 @@ def test_smollm2_decoders_equal_transformers_greedy_generate(smollm2):
     chimera = ChimeraDraft(c.hidden_size, c.vocab_size, 2, attention_heads=9,
                            shared_lm_head=True).init_from_base(model).eval()
     transfer = HiddenTransfer(c.hidden_size, c.vocab_size, layers=[14, 19]).init_from_base(model).eval()
+    prompts = humaneval_prompts(tok, ["HumanEval/0", "HumanEval/35"])
+    for heads in (medusa, chimera):      # token counts for draft_vocab (FR-Spec): the prompts' tokens
+        heads.count_tokens(torch.cat([ids[0] for ids in prompts]))
     methods = [("ar", {}), ("jacobi", {"n_tokens": 8}), ("lookahead", {"window": 4, "ngram": 3, "guesses": 4}),
                ("prompt_lookup", {}), ("speculative", {"draft_model": draft, "gamma": 4}),
                ("ouroboros", {"draft_model": draft, "gamma": 4, "window": 3, "ngram": 3}),
                ("tree", {"draft_model": draft, "tree": [2, 2, 1]}), ("medusa", {"heads": medusa, "tree": [2, 1]}),
                ("chimera", {"heads": chimera, "tree": [2, 1]}),
+               ("medusa", {"heads": medusa, "tree": [2, 1], "draft_vocab": 256}),
+               ("chimera", {"heads": chimera, "tree": [2, 1], "draft_vocab": 256}),
                ("hidden_transfer", {"transfer": transfer, "tree": [2, 1]})]
     drafted = accepted = 0
-    for ids in humaneval_prompts(tok, ["HumanEval/0", "HumanEval/35"]):
+    for ids in prompts:
         reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                                    pad_token_id=tok.pad_token_id)
         for method, params in methods:

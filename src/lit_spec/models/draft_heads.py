@@ -90,7 +90,8 @@ class DraftHeads(nn.Module):
             self.register_buffer("token_counts", torch.zeros(vocab_size, dtype=torch.long))
 
     def count_tokens(self, labels: torch.Tensor) -> None:
-        """Add the labels of a training batch to ``token_counts`` (what ``DraftVocab`` ranks the vocabulary by)."""
+        """Add the labels of a training batch to ``token_counts`` (what ``DraftVocab`` ranks the vocabulary by). In
+        multi-process training the saved counts are rank zero's: a sample of the data, as good for a ranking."""
         self.token_counts += torch.bincount(labels.flatten(), minlength=self.vocab_size)
 
     @property
