@@ -33,6 +33,7 @@ from lit_spec.decoding import DECODERS, Decoder
 from lit_spec.decoding.verify import greedy_accept_length
 from lit_spec.errors import ConfigError
 from lit_spec.measure import EXTRAS, Run, build_decoders, compare, decode_prompts, mean
+from lit_spec.strategies import whole_parameters
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +111,10 @@ class SpeedupCallback(L.Callback):
         modes = {m: m.training for m in pl_module.modules()}
         pl_module.eval()
         try:
-            self._prepare(trainer, pl_module)
-            decoders = {"ar": self.decoders["ar"]} if only_ar else self.decoders
-            return self._decode(decoders, self.records, pl_module.device)
+            with whole_parameters(pl_module):   # ZeRO-3: every rank decodes with the whole model
+                self._prepare(trainer, pl_module)
+                decoders = {"ar": self.decoders["ar"]} if only_ar else self.decoders
+                return self._decode(decoders, self.records, pl_module.device)
         finally:
             for m, training in modes.items():
                 m.training = training

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from lit_spec.data.metrics import get_metric
-from lit_spec.data.resumable import EpochOrder, ResumableLoader, epoch_seed
+from lit_spec.data.resumable import EpochOrder, ResumableLoader, data_parallel_rank, epoch_seed
 from lit_spec.data.templates import PromptTemplate
 from lit_spec.errors import DataError
 
@@ -62,15 +62,17 @@ def record_of(row: dict, answers: str = "answer_ids") -> dict:
 
 
 class LengthGrouped(EpochOrder):
-    """transformers' ``LengthGroupedSampler`` order (shuffled megabatches sorted by length), seeded by (seed, epoch)."""
+    """transformers' ``LengthGroupedSampler`` order (shuffled megabatches sorted by length), seeded by (seed, epoch),
+    grouped for the global batch (``batch_size`` per rank times the ranks)."""
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int):
-        super().__init__(len(lengths))
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, rank: int = 0, world: int = 1):
+        super().__init__(len(lengths), rank, world)
         self.lengths, self.batch_size, self.seed = lengths, batch_size, seed
 
     def order(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-        return list(LengthGroupedSampler(self.batch_size, lengths=self.lengths, generator=generator))
+        return list(LengthGroupedSampler(self.batch_size * self.num_replicas, lengths=self.lengths,
+                                         generator=generator))
 
 
 class AnswerBatches(L.LightningDataModule):
@@ -116,7 +118,8 @@ class AnswerBatches(L.LightningDataModule):
         """Shuffled batches of similar lengths (``LengthGrouped``): little compute goes to padding; resumable."""
         ds = self.splits["train"]
         lengths = [len(p) + len(a) for p, a in zip(ds["prompt_ids"], ds["answer_ids"])]
-        return self._loader("train", LengthGrouped(lengths, self.batch_size, self.shuffle_seed))
+        return self._loader("train", LengthGrouped(lengths, self.batch_size, self.shuffle_seed,
+                                                   *data_parallel_rank(self)))
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation")

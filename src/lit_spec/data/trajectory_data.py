@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lit_spec.data.datamodule import IGNORE_INDEX
 from lit_spec.data.metrics import get_metric
-from lit_spec.data.resumable import EpochOrder, ResumableLoader, epoch_seed
+from lit_spec.data.resumable import EpochOrder, ResumableLoader, data_parallel_rank, epoch_seed
 from lit_spec.data.trajectories import CollectionSource, read_meta, read_records, split_off_validation
 from lit_spec.errors import ConfigError, DataError
 
@@ -95,8 +95,8 @@ class EpochSampler(EpochOrder):
     """Yields (index, epoch): a permutation seeded by (seed, epoch) when shuffling; the items in order with epoch 0
     otherwise (validation sees the same states every time)."""
 
-    def __init__(self, size: int, seed: int = 0, shuffle: bool = True):
-        super().__init__(size)
+    def __init__(self, size: int, seed: int = 0, shuffle: bool = True, rank: int = 0, world: int = 1):
+        super().__init__(size, rank, world)
         self.seed, self.shuffle = seed, shuffle
 
     def order(self, epoch: int) -> list[tuple[int, int]]:
@@ -206,7 +206,8 @@ class TrajectoryDataModule(L.LightningDataModule):
         items = _Items(self.records[split], self.seed, self.use_augmented, self.max_context_tokens, self.ar_target)
         loader = ResumableLoader if shuffle else DataLoader
         return loader(items, batch_size=self.batch_size if shuffle else self.eval_batch_size,
-                      sampler=EpochSampler(len(items), self.seed, shuffle), collate_fn=self.collate,
+                      sampler=EpochSampler(len(items), self.seed, shuffle, *data_parallel_rank(self)),
+                      collate_fn=self.collate,
                       num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:

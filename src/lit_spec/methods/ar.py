@@ -31,7 +31,7 @@ class ARModule(MethodModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].size(0))
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].size(0))
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:

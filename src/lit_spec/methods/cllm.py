@@ -72,10 +72,10 @@ class CLLMModule(MethodModule):
     def _step(self, batch: dict, stage: str) -> torch.Tensor:
         consistency, ar = self._losses(batch)
         loss = consistency + self.hparams.ar_weight * ar  # eq. 7
-        rows, val = batch["input_ids"].size(0), stage == "val"
-        self.log(f"{stage}/consistency", consistency, batch_size=rows, sync_dist=val)
-        self.log(f"{stage}/ar", ar, batch_size=rows, sync_dist=val)
-        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=rows, sync_dist=val)
+        rows = batch["input_ids"].size(0)
+        self.log(f"{stage}/consistency", consistency, batch_size=rows, sync_dist=True)
+        self.log(f"{stage}/ar", ar, batch_size=rows, sync_dist=True)
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=rows, sync_dist=True)
         return loss
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

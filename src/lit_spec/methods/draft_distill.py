@@ -202,8 +202,8 @@ class DraftDistillModule(FrozenBaseModule):
         size = max(t["tokens"], 1) if val else batch["input_ids"].size(0)
         for name in ("kl", "ce"):
             if name in t:
-                self.log(f"{stage}/{name}", t[name], batch_size=size, sync_dist=val)
-        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=size, sync_dist=val)
+                self.log(f"{stage}/{name}", t[name], batch_size=size, sync_dist=True)
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=size, sync_dist=True)
         if "agreement" in t:     # with the teacher's forward (validation; training when kl_weight > 0)
-            self.log(f"{stage}/agreement", t["agreement"], prog_bar=val, batch_size=size, sync_dist=val)
+            self.log(f"{stage}/agreement", t["agreement"], prog_bar=val, batch_size=size, sync_dist=True)
         return loss

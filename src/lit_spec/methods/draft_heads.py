@@ -111,12 +111,12 @@ class HeadsModule(FrozenBaseModule):
         if count == 0:    # no answer token reaches any head: a zero loss that still has every head's gradient (0)
             next_word = sum(p.sum() for p in self.heads.parameters()) * 0.0
         loss = hp.next_word_weight * next_word
-        self.log(f"{stage}/next_word", next_word, batch_size=max(count, 1), sync_dist=stage == "val")
+        self.log(f"{stage}/next_word", next_word, batch_size=max(count, 1), sync_dist=True)
         if full is not None:
             distill = self._distill(full, hidden, valid)
             loss = loss + hp.distill_weight * distill
-            self.log(f"{stage}/distill", distill, batch_size=max(count, 1), sync_dist=stage == "val")
-        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=max(count, 1), sync_dist=stage == "val")
+            self.log(f"{stage}/distill", distill, batch_size=max(count, 1), sync_dist=True)
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=max(count, 1), sync_dist=True)
         return loss
 
     @staticmethod

@@ -11,6 +11,7 @@ import torch
 from lit_spec.methods.method_module import MethodModule
 from lit_spec.models.draft_heads import DraftHeads
 from lit_spec.models.saved_heads import save_heads
+from lit_spec.strategies import unpartitioned_init, whole_parameters
 
 
 class FrozenBaseModule(MethodModule):
@@ -30,7 +31,8 @@ class FrozenBaseModule(MethodModule):
         if self.model is None:
             self.model = self.model_spec.load_model().eval().requires_grad_(False)
         if getattr(self, self.exported) is None:
-            setattr(self, self.exported, self.build_trainable())
+            with unpartitioned_init(), whole_parameters(self.model):   # built from the base's own weights
+                setattr(self, self.exported, self.build_trainable())
 
     def train(self, mode: bool = True):
         super().train(mode)

@@ -75,7 +75,7 @@ class HiddenTransferModule(FrozenBaseModule):
                              sync_dist=True)
             if cosine:
                 self._log_cosine(out.hidden_states, i, t, valid)
-        self.log(f"{stage}/loss", total, prog_bar=True, batch_size=b, sync_dist=stage == "val")
+        self.log(f"{stage}/loss", total, prog_bar=True, batch_size=b, sync_dist=True)
         return total
 
     def _log_cosine(self, hidden_states: tuple, i: int, t: int, valid: torch.Tensor) -> None:

@@ -55,11 +55,13 @@ def _uses_cpu_offload(module) -> bool:
 
 def build_optimizer(module, hp) -> dict:
     """AdamW over the trainable parameters (no decay on biases and norms) with warmup + decay per step."""
-    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
+    matrices = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]  # ZeRO-3 partitions are flat: ds_shape
     groups = [
-        {"params": [p for n, p in params if p.ndim >= 2], "weight_decay": hp.weight_decay},
-        {"params": [p for n, p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [p for p, matrix in zip(params, matrices) if matrix], "weight_decay": hp.weight_decay},
+        {"params": [p for p, matrix in zip(params, matrices) if not matrix], "weight_decay": 0.0},
     ]
+    groups = [g for g in groups if g["params"]]   # ZeRO-3 drops an empty group, and the schedule must see as many
     betas = tuple(hp.betas)
     if _uses_cpu_offload(module):  # DeepSpeed ZeRO-Offload steps the optimizer on the CPU with its own Adam
         from deepspeed.ops.adam import DeepSpeedCPUAdam
