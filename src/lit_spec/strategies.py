@@ -1,20 +1,23 @@
-"""Lightning's DeepSpeed strategy, also on a machine without CUDA, and with transformers' ZeRO-3 loading.
+"""Sharded training on CUDA or on the CPU: Lightning's DeepSpeed strategy without its CUDA-only guard and with
+transformers' ZeRO-3 loading, FSDP2 sharding for Lightning's ``ModelParallelStrategy`` (``strategy=fsdp``), and the
+two helpers code needs around sharded weights (is a strategy sharding them; make them whole for a while).
 
 On CPU, DeepSpeed runs on its CPU accelerator with gloo between processes: slow, but the same engine, partitioning,
 checkpoints and collectives as on GPUs, so a run can be validated on CPU before it goes to GPUs. Two of Lightning's
 checks stand in the way and are stepped around here, nothing else: ``setup_environment`` refuses any accelerator but
 CUDA, and ``setup_distributed`` wants device indices equal to the local ranks (a CPU device has none; rank r gets
 ``cpu:r``, which torch treats as the CPU). Under ZeRO-3 ``from_pretrained`` runs inside ``deepspeed.zero.Init``;
-transformers loads into partitioned parameters only while an ``HfDeepSpeedConfig`` is alive, so one is held here.
+transformers loads into partitioned parameters only while an ``HfDeepSpeedConfig`` is alive, so one is held then.
 """
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 
 
@@ -51,31 +54,64 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
             del hf_config
 
 
-def _partitioned(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in module.parameters() if hasattr(p, "ds_id")]   # ZeRO-3 parameters carry a DeepSpeed id
+def fully_shard_model(model: torch.nn.Module, mesh) -> None:
+    """FSDP2 over ``mesh``: every repeated block a unit of its own (a transformers model's decoder layers, named by
+    its ``_no_split_modules``; otherwise the members of each ``nn.ModuleList``, e.g. draft heads), then the model as a
+    whole. A model already sharded (``configure_model`` called again) is left as it is."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from transformers import PreTrainedModel
+
+    if isinstance(model, FSDPModule):
+        return
+    if isinstance(model, PreTrainedModel):
+        layers = set(model._no_split_modules or ())
+        blocks = [m for m in model.modules() if type(m).__name__ in layers]
+    else:
+        blocks = [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def weights_sharded(strategy) -> bool:
+    """Whether each rank holds only part of the weights (DeepSpeed ZeRO-3, FSDP2): every forward is then collective,
+    so all ranks must run the same forwards, and an export must gather the weights first."""
+    if isinstance(strategy, ModelParallelStrategy):
+        return True
+    return isinstance(strategy, LightningDeepSpeedStrategy) and strategy.zero_stage_3
 
 
 @contextmanager
 def whole_parameters(module: torch.nn.Module):
-    """Inside, the module's ZeRO-3 partitioned parameters are whole on every rank (read-only); code that reads a
-    weight directly (a slice of it, its shape) works as without ZeRO-3. Nothing happens for other parameters."""
-    params = _partitioned(module)
-    if not params:
-        yield
-        return
-    import deepspeed
+    """Inside, the module's ZeRO-3 partitioned or FSDP2 sharded parameters are whole on every rank (read-only); code
+    that reads a weight directly (a slice of it, its shape) works as without sharding. Nothing happens otherwise."""
+    from torch.distributed.fsdp import FSDPModule
 
-    with deepspeed.zero.GatheredParameters(params):
-        yield
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False)
+    partitioned = [p for p in module.parameters() if hasattr(p, "ds_id")]   # ZeRO-3 parameters carry a DeepSpeed id
+    try:
+        if partitioned:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(partitioned):
+                yield
+        else:
+            yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_forward(True)
+            unit.reshard()
 
 
 @contextmanager
 def unpartitioned_init():
     """Modules built inside are not partitioned as they are built, even within ``deepspeed.zero.Init`` (their own
     initialisation code runs on whole weights); the DeepSpeed engine partitions them when it starts."""
-    from deepspeed.runtime.zero import partition_parameters as zero
-
-    if zero.top_level_context is None:
+    zero = sys.modules.get("deepspeed.runtime.zero.partition_parameters")   # not imported: no zero.Init is open
+    if zero is None or zero.top_level_context is None:
         yield
         return
     zero.shutdown_init_context()

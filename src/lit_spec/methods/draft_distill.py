@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
 from lit_spec.data import IGNORE_INDEX, collate_answers
 from lit_spec.decoding import generate
@@ -49,6 +48,7 @@ from lit_spec.errors import ConfigError, check_count
 from lit_spec.methods import losses
 from lit_spec.methods.frozen_base import FrozenBaseModule
 from lit_spec.models import HFModelSpec, spec_from_dict
+from lit_spec.strategies import weights_sharded
 
 OBJECTIVES = ("kl", "generated")
 # (kl_weight, ce_weight) when left null
@@ -136,17 +136,6 @@ class DraftDistillModule(FrozenBaseModule):
         config = config if config is not None else self.model.config
         return config.eos_token_id if config.eos_token_id is not None else self.model.config.eos_token_id
 
-    def _weights_sharded(self) -> bool:
-        """ZeRO-3 / FSDP: every forward is collective, so every rank must decode the same number of steps."""
-        trainer = self._trainer
-        if trainer is None:
-            return False
-        strategy = trainer.strategy
-        if isinstance(strategy, FSDPStrategy):
-            return True
-        zero = strategy.config.get("zero_optimization", {}) if isinstance(strategy, DeepSpeedStrategy) else {}
-        return zero.get("stage") == 3
-
     @torch.no_grad()
     def teacher_answers(self, batch: dict) -> dict:
         """The batch's prompts, answered greedily by the teacher (up to ``max_new_tokens``, through EOS), as a
@@ -160,9 +149,11 @@ class DraftDistillModule(FrozenBaseModule):
             prompts[r, width - n:] = ids[r, :n]
             prompt_mask[r, width - n:] = 1
         eos = self._eos()
-        # under sharded weights decode the full length on every rank (EOS cut below), else stop each row at EOS
+        # under sharded weights (every forward collective) decode the full length on every rank (EOS cut below), else
+        # stop each row at EOS
+        sharded = self._trainer is not None and weights_sharded(self._trainer.strategy)
         out = generate(self.model, prompts, method="ar", max_new_tokens=self.hparams.max_new_tokens,
-                       eos_token_id=None if self._weights_sharded() else eos, attention_mask=prompt_mask)
+                       eos_token_id=None if sharded else eos, attention_mask=prompt_mask)
         stop = eos_ids(eos)
         pairs = [(ids[r, :n].tolist(), until_eos(out.sequences[r, width:].tolist(), stop))
                  for r, n in enumerate(prompt_len)]

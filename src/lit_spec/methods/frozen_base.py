@@ -10,7 +10,7 @@ import torch
 
 from lit_spec.methods.method_module import MethodModule
 from lit_spec.models.draft_heads import DraftHeads
-from lit_spec.models.saved_heads import save_heads
+from lit_spec.models.saved_heads import heads_like, save_heads
 from lit_spec.strategies import unpartitioned_init, whole_parameters
 
 
@@ -27,7 +27,7 @@ class FrozenBaseModule(MethodModule):
     def build_trainable(self) -> torch.nn.Module:
         raise NotImplementedError
 
-    def configure_model(self) -> None:
+    def build_models(self) -> None:
         if self.model is None:
             self.model = self.model_spec.load_model().eval().requires_grad_(False)
         if getattr(self, self.exported) is None:
@@ -51,9 +51,10 @@ class FrozenBaseModule(MethodModule):
 
     # ---- checkpoints and export ---------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """The base is rebuilt from ``hparams.model_spec``: checkpoints hold the trained part only."""
+        """The base is rebuilt from ``hparams.model_spec``: checkpoints hold the trained part only. Except under FSDP
+        (``ModelParallelStrategy``), whose distributed checkpoint is loaded for every key of the live module."""
         super().on_save_checkpoint(checkpoint)
-        if "state_dict" in checkpoint:
+        if "state_dict" in checkpoint and self._device_mesh is None:
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
                                         if not k.startswith("model.")}
 
@@ -64,7 +65,7 @@ class FrozenBaseModule(MethodModule):
         if state is None:                    # DeepSpeed restores module states itself
             return
         if self.model is None:
-            self.configure_model()
+            self.build_models()
         for k, v in self.model.state_dict().items():
             state.setdefault(f"model.{k}", v)
 
@@ -74,7 +75,7 @@ class FrozenBaseModule(MethodModule):
         part = getattr(self, self.exported)
         if not isinstance(part, DraftHeads):
             return super().export(directory, state_dict)
-        if state_dict is not None:
-            prefix = f"{self.exported}."
+        if state_dict is not None:          # gathered from shards: loaded into a whole copy
+            prefix, part = f"{self.exported}.", heads_like(part)
             part.load_state_dict({k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)})
         save_heads(part, directory, self.model_spec.to_dict())

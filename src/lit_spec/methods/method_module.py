@@ -14,6 +14,7 @@ import torch
 from lit_spec.data import AnswerBatches
 from lit_spec.methods.optim import build_optimizer, check_optim
 from lit_spec.models import spec_from_dict
+from lit_spec.strategies import fully_shard_model
 
 if TYPE_CHECKING:
     from lit_spec.decoding import Decoder
@@ -45,6 +46,14 @@ class MethodModule(L.LightningModule):
         self.model: torch.nn.Module | None = None
 
     def configure_model(self) -> None:
+        """Build the models (``build_models``); under ``strategy=fsdp`` (Lightning's ``ModelParallelStrategy``) shard
+        what trains (the exported model) with FSDP2 over its data-parallel mesh. A frozen base stays whole on every
+        rank: it has no gradients or optimizer states to shard."""
+        self.build_models()
+        if self._device_mesh is not None:
+            fully_shard_model(getattr(self, self.exported), self._device_mesh["data_parallel"])
+
+    def build_models(self) -> None:
         if self.model is None:
             self.model = self.model_spec.load_model().train()  # from_pretrained returns eval mode
 

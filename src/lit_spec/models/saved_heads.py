@@ -19,6 +19,11 @@ WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
 KINDS: dict[str, type[DraftHeads]] = {cls.kind: cls for cls in (MedusaHeads, ChimeraDraft, HiddenTransfer)}
 
 
+def heads_like(heads: DraftHeads) -> DraftHeads:
+    """New heads of the same kind and config (weights as initialised)."""
+    return KINDS[heads.kind](**heads.config)
+
+
 def save_heads(heads: DraftHeads, directory: str | Path, base_model: dict) -> Path:
     """Write the heads' parameters (safetensors) and ``heads.json`` (kind, config, the base model's spec) into
     ``directory``, atomically."""
