@@ -27,7 +27,7 @@ CLI_EXPERIMENTS = (["tiny_target"] if "tiny_target" in EXPERIMENTS else []) + [
     e for e in EXPERIMENTS if e != "tiny_target"][:1]
 
 ERROR_CASES = {
-    "deepspeed": ["strategy=deepspeed_zero2"],
+    "devices": ["trainer.devices=4096", "strategy=deepspeed_zero3"],
     "gpu": ["trainer=gpu"],
     "ckpt": ["ckpt_path=/nonexistent.ckpt"],
 }
@@ -92,11 +92,11 @@ def _one_line_error(result: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.slow
-def test_deepspeed_on_cpu_is_a_one_line_error(cli):
+def test_more_processes_than_cores_is_a_one_line_error(cli):
     results, root = cli
-    line = _one_line_error(results["deepspeed"])
-    assert "DeepSpeed" in line and "CUDA" in line, line
-    assert not (root / "deepspeed" / "config.yaml").exists(), "it failed before building anything"
+    line = _one_line_error(results["devices"])
+    assert "trainer.devices=4096" in line and "CPU cores" in line, line
+    assert not (root / "devices" / "config.yaml").exists(), "it failed before building anything"
 
 
 @pytest.mark.slow

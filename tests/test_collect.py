@@ -223,6 +223,13 @@ def test_two_processes_give_the_records_of_one(baseline, tmp_path):
     assert read_records(out, include_dropped=True) == read_records(baseline, include_dropped=True)
     assert read_meta(out)["stats"]["records"] == read_meta(baseline)["stats"]["records"]
 
+    # a part lost afterwards (the predict loop dealt batch 1 to rank 1): two processes redo exactly that batch
+    (out / "parts" / "train-000001.jsonl").unlink()
+    with _kill_workers_after(240):
+        run_collection(collect_config(out, "strategy=ddp_spawn", "trainer.devices=2"))
+    assert read_meta(out)["stats"]["batches_this_run"] == 1
+    assert read_records(out, include_dropped=True) == read_records(baseline, include_dropped=True)
+
 
 def test_trajectories_stage_collects_once(baseline, tmp_path, monkeypatch):
     def train_config(*collect: str):

@@ -203,8 +203,8 @@ def test_hydra_run_and_sweep_dirs():
 
 # ---- strategies: each builds its Lightning object here, on a machine with no GPU -------------------------------
 
-def _strategy(name: str, tmp_path: Path):
-    cfg = _composed(f"strategy={name}", tmp_path)
+def _strategy(name: str, tmp_path: Path, *overrides: str):
+    cfg = compose_config([f"strategy={name}", *overrides])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         strategy = instantiate(cfg.trainer.strategy)
@@ -231,17 +231,12 @@ def test_deepspeed_strategies_build(name, stage, offload, tmp_path):
 
 
 def test_fsdp_strategy_builds(tmp_path):
-    from lightning.pytorch.strategies import FSDPStrategy
-    from torch.distributed.fsdp import ShardingStrategy
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
-    strategy = _strategy("fsdp", tmp_path)
-    assert isinstance(strategy, FSDPStrategy)
-    assert strategy.sharding_strategy == ShardingStrategy.FULL_SHARD
-    assert strategy._state_dict_type == "full"  # export.py relies on a full state dict gathered on rank 0
-    policy = strategy.kwargs["auto_wrap_policy"]
-    assert isinstance(policy, functools.partial) and policy.func is size_based_auto_wrap_policy
-    assert policy.keywords == {"min_num_params": 100_000_000}
+    strategy = _strategy("fsdp", tmp_path, "trainer.devices=4")
+    assert isinstance(strategy, ModelParallelStrategy)     # FSDP2: lit_spec.strategies.fully_shard_model shards
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (4, 1)   # data parallel over devices
+    assert strategy._save_distributed_checkpoint
 
 
 @pytest.mark.parametrize("name, start_method", [("ddp", "popen"), ("ddp_spawn", "spawn")])

@@ -56,7 +56,7 @@ def test_resume_continues_at_the_right_step(micro_config, tmp_path):
     (tmp_path / "notes.ckpt").write_text("not a checkpoint")
     for overrides, message in [(["trainer.max_steps=6"], "already at step 6, and trainer.max_steps=6"),
                                (["method=medusa"], "a checkpoint of ARModule, but this run trains MedusaModule"),
-                               ([f"ckpt_path={tmp_path / 'notes.ckpt'}"], "not a readable Lightning checkpoint")]:
+                               ([f"ckpt_path={tmp_path / 'notes.ckpt'}"], "not a readable checkpoint")]:
         with pytest.raises(ConfigError, match=message):
             run_training(micro_config(f"ckpt_path={last}", *overrides, output_dir=tmp_path / "refused"))
     assert not (tmp_path / "refused").exists()
@@ -70,6 +70,41 @@ def test_resume_continues_at_the_right_step(micro_config, tmp_path):
     # the weights were restored, not re-initialised: the first resumed step starts far below the initial loss
     initial = _logged(Path(first.paths.output_dir), "train/loss")[0][1]
     assert resumed[0][1] < initial - 0.3, (initial, resumed)
+
+
+def _deepspeed_dir(path: Path, **state) -> Path:
+    """A DeepSpeed checkpoint directory as Lightning writes it (``latest`` naming the tag ``checkpoint``), with the
+    Lightning state DeepSpeed keeps beside rank 0's module states."""
+    (path / "checkpoint").mkdir(parents=True)
+    (path / "latest").write_text("checkpoint")
+    torch.save(state, path / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    return path
+
+
+def test_a_checkpoint_of_another_strategy_or_world_size_is_refused_before_work(micro_config, tmp_path):
+    ar = ["ARModule"]
+    zero = _deepspeed_dir(tmp_path / "zero", method=ar, global_step=2, dp_world_size=2)
+    fsdp = tmp_path / "fsdp"
+    fsdp.mkdir()
+    torch.save({"method": ar, "global_step": 2}, fsdp / "meta.pt")
+    single = tmp_path / "single.ckpt"
+    torch.save({"method": ar, "global_step": 2}, single)
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (zero, [], "is a DeepSpeed checkpoint directory .* but this run's strategy resumes from a .ckpt file"),
+        (fsdp, [], "is an FSDP checkpoint directory"),
+        (single, ["strategy=deepspeed_zero2"], "is a .ckpt file, but this run's strategy resumes from a DeepSpeed"),
+        (zero, ["strategy=fsdp", "trainer.devices=2"], "but this run's strategy resumes from an FSDP checkpoint"),
+        (zero, ["strategy=deepspeed_zero3"], r"written by 2 processes.*resume with trainer.devices=2"),
+        (zero, ["strategy=deepspeed_zero3", "trainer.devices=2", "method=medusa"],
+         "a checkpoint of ARModule, but this run trains MedusaModule"),
+        (zero, ["strategy=deepspeed_zero3", "trainer.devices=2", "trainer.max_steps=2"], "already at step 2"),
+        (tmp_path / "empty", [], "a directory that holds no checkpoint"),
+    ]
+    for path, overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            run_training(micro_config(f"ckpt_path={path}", *overrides, output_dir=tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()
 
 
 def test_errors_raised_while_building_from_config_are_not_wrapped(micro_config):

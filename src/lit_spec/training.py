@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import lightning as L
 import torch
 from hydra.utils import get_class, instantiate
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from lit_spec.config import build
@@ -22,11 +24,83 @@ from lit_spec.stages import ensure_stages
 log = logging.getLogger(__name__)
 
 
+def _strategy_class(cfg: DictConfig) -> type | None:
+    strategy = cfg.trainer.get("strategy")
+    return get_class(strategy._target_) if isinstance(strategy, DictConfig) and "_target_" in strategy else None
+
+
 def check_hardware(cfg: DictConfig) -> None:
     """What cannot run on this machine fails here, in one line, instead of deep inside Lightning."""
-    if cfg.trainer.get("accelerator") in {"gpu", "cuda"} and not torch.cuda.is_available():
-        raise ConfigError(f"trainer.accelerator={cfg.trainer.accelerator} but no CUDA GPU is visible: "
-                          "use trainer=cpu")
+    accelerator, devices = cfg.trainer.get("accelerator"), cfg.trainer.get("devices")
+    if accelerator in {"gpu", "cuda"} and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.accelerator={accelerator} but no CUDA GPU is visible: use trainer=cpu")
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        have, what = ((torch.cuda.device_count(), "CUDA GPUs") if accelerator in {"gpu", "cuda"}
+                      else (len(os.sched_getaffinity(0)), "CPU cores, one per process"))
+        if devices > have:
+            raise ConfigError(f"trainer.devices={devices} but this machine has {have} {what}: use "
+                              f"trainer.devices<={have}")
+
+
+def _checkpoint_kind(path: Path) -> str | None:
+    """``file`` (a Lightning .ckpt), ``deepspeed`` (DeepSpeed's directory) or ``distributed`` (FSDP's
+    torch.distributed.checkpoint directory); None: none of them."""
+    if path.is_file():
+        return "file"
+    if (path / "latest").is_file() or (path / "checkpoint").is_dir():
+        return "deepspeed"
+    return "distributed" if (path / "meta.pt").is_file() else None
+
+
+def _checkpoint_state(path: Path, kind: str) -> dict:
+    """The checkpoint's Lightning state without its weights (method, step, DeepSpeed's world size), read lazily."""
+    if kind == "deepspeed":
+        tag = (path / "latest").read_text().strip() if (path / "latest").is_file() else "checkpoint"
+        path = min((path / tag).glob("*model_states.pt"), default=path / tag / "missing")
+    elif kind == "distributed":
+        path = path / "meta.pt"
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+RESUMES_FROM = {"file": "a .ckpt file", "deepspeed": "a DeepSpeed checkpoint directory (strategy=deepspeed_*)",
+                "distributed": "an FSDP checkpoint directory (strategy=fsdp)"}
+
+
+def check_checkpoint(path: Path, cfg: DictConfig) -> None:
+    """``ckpt_path`` resumes this run: a checkpoint of the kind its strategy writes (a .ckpt file, a DeepSpeed or an
+    FSDP directory), of the same method, not already at ``trainer.max_steps``, and for DeepSpeed's partitioned
+    optimizer states written by as many processes."""
+    if not path.exists():
+        raise ConfigError(f"ckpt_path={path}: no such checkpoint; pass a checkpoint from an earlier run's checkpoints/")
+    strategy = _strategy_class(cfg)
+    wanted = ("deepspeed" if strategy and issubclass(strategy, DeepSpeedStrategy) else
+              "distributed" if strategy and issubclass(strategy, ModelParallelStrategy) else "file")
+    kind = _checkpoint_kind(path)
+    if kind is None:
+        raise ConfigError(f"ckpt_path={path}: a directory that holds no checkpoint; pass {RESUMES_FROM[wanted]} from "
+                          "an earlier run's checkpoints/")
+    if kind != wanted:
+        raise ConfigError(f"ckpt_path={path} is {RESUMES_FROM[kind]}, but this run's strategy resumes from "
+                          f"{RESUMES_FROM[wanted]}: resume with the strategy that wrote it")
+    try:
+        checkpoint = _checkpoint_state(path, kind)
+    except Exception as e:        # a zip that is not torch's, a text file, a truncated file: all unreadable the same
+        raise ConfigError(f"ckpt_path={path}: not a readable checkpoint ({type(e).__name__}); pass one from an "
+                          "earlier run's checkpoints/") from None
+    method = get_class(cfg.method._target_)
+    saved = checkpoint.get("method")      # the checkpointed method's class and the method classes it extends
+    if saved and method.__name__ not in saved:
+        raise ConfigError(f"ckpt_path={path}: a checkpoint of {saved[0]}, but this run trains {method.__name__}; "
+                          "resume with the method it was trained with, or start without ckpt_path")
+    step, max_steps = checkpoint.get("global_step", 0), cfg.trainer.get("max_steps", -1)
+    if max_steps is not None and 0 <= max_steps <= step:
+        raise ConfigError(f"ckpt_path={path}: already at step {step}, and trainer.max_steps={max_steps}; raise "
+                          "trainer.max_steps to train further")
+    world, devices = checkpoint.get("dp_world_size"), cfg.trainer.get("devices")
+    if world is not None and isinstance(devices, int) and world != devices * cfg.trainer.get("num_nodes", 1):
+        raise ConfigError(f"ckpt_path={path}: written by {world} processes, and DeepSpeed ZeRO partitions the "
+                          f"optimizer states by process: resume with trainer.devices={world} (zero_to_fp32.py in that "
+                          "directory gathers the weights alone)")
 
 
 class _FinishRun(L.Callback):
@@ -76,29 +150,6 @@ def check_block_size(method: DictConfig, datamodule) -> None:
                           f"n={method.n_tokens} (data.path=null collects with method.n_tokens)")
 
 
-def check_checkpoint(path: Path, method: type, max_steps: int) -> None:
-    """``ckpt_path`` resumes this run: a Lightning checkpoint (or a DeepSpeed checkpoint directory) of the same
-    method, not already at ``trainer.max_steps``."""
-    if not path.exists():
-        raise ConfigError(f"ckpt_path={path}: no such checkpoint; pass a .ckpt file (or DeepSpeed checkpoint "
-                          "directory) from an earlier run's checkpoints/")
-    if path.is_dir():             # DeepSpeed's sharded checkpoint: read by DeepSpeed itself
-        return
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:        # a zip that is not torch's, a text file, a truncated file: all unreadable the same
-        raise ConfigError(f"ckpt_path={path}: not a readable Lightning checkpoint ({type(e).__name__}); pass a "
-                          ".ckpt file from an earlier run's checkpoints/") from None
-    saved = checkpoint.get("method")      # the checkpointed method's class and the method classes it extends
-    if saved and method.__name__ not in saved:
-        raise ConfigError(f"ckpt_path={path}: a checkpoint of {saved[0]}, but this run trains {method.__name__}; "
-                          "resume with the method it was trained with, or start without ckpt_path")
-    step = checkpoint.get("global_step", 0)
-    if max_steps is not None and 0 <= max_steps <= step:
-        raise ConfigError(f"ckpt_path={path}: already at step {step}, and trainer.max_steps={max_steps}; raise "
-                          "trainer.max_steps to train further")
-
-
 def resume_hint(cfg: DictConfig) -> str:
     checkpoints = Path(cfg.paths.output_dir) / "checkpoints"
     for name in ("interrupted.ckpt", "last.ckpt"):
@@ -115,7 +166,7 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     check_method_data(cfg)
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path:
-        check_checkpoint(Path(ckpt_path), get_class(cfg.method._target_), cfg.trainer.get("max_steps", -1))
+        check_checkpoint(Path(ckpt_path), cfg)
 
     ensure_stages(cfg)  # earlier stages (tiny model, tiny target, trajectories): cached, or built now
     model_spec = build(cfg.model)

@@ -1,3 +1,4 @@
+from lit_spec.callbacks.memory import MemoryMonitor
 from lit_spec.callbacks.speedup import SpeedupCallback
 
-__all__ = ["SpeedupCallback"]
+__all__ = ["MemoryMonitor", "SpeedupCallback"]

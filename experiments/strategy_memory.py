@@ -1,0 +1,63 @@
+"""Step time and memory per rank of one training run under each data-parallel strategy, on 2 processes.
+
+Every strategy runs the same ``python -m lit_spec.train`` command (given after ``--``) with ``trainer.devices=2``,
+``strategy=<name>`` and the ``MemoryMonitor`` callback, which writes what each rank holds (parameters, optimizer
+states and masters, peak RSS, median step time) to ``memory.rank<r>.json``; this script prints them as one markdown
+table, then what the same accounting predicts per GPU for a model of ``--predict-params`` on ``--predict-gpus``.
+
+    python experiments/strategy_memory.py --out /tmp/mem -- +experiment=cllm_quickstart trainer.max_steps=6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+STRATEGIES = ["ddp", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload", "fsdp"]
+
+
+def run(out: Path, strategy: str, overrides: list[str]) -> list[dict]:
+    run_dir = out / strategy
+    cmd = [sys.executable, "-m", "lit_spec.train", *overrides, "trainer.devices=2", f"strategy={strategy}",
+           "+callbacks.memory._target_=lit_spec.callbacks.MemoryMonitor", f"hydra.run.dir={run_dir}"]
+    with open(out / f"{strategy}.log", "w") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=True)
+    return [json.loads((run_dir / f"memory.rank{r}.json").read_text()) for r in range(2)]
+
+
+def predict(params: float, gpus: int) -> list[tuple[str, float]]:
+    """GB per GPU for weights + gradients + Adam (ZeRO paper §3's accounting, bf16 mixed precision: 2 + 2 bytes of
+    weights and gradients and K = 12 of fp32 master, m and v per parameter), activations and buffers left out."""
+    psi, n, gb = params, gpus, 1e9
+    return [("ddp", 16 * psi / gb), ("deepspeed_zero2", (2 * psi + 14 * psi / n) / gb),
+            ("deepspeed_zero3", 16 * psi / n / gb), ("deepspeed_zero3_offload", 0.0),
+            ("fsdp", 16 * psi / n / gb)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--strategies", nargs="+", default=STRATEGIES)
+    parser.add_argument("--predict-params", type=float, default=6.74e9, help="deepseek-coder-6.7b: cllm_spider's")
+    parser.add_argument("--predict-gpus", type=int, default=8)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print("| strategy | params/rank (MB) | optimizer/rank (MB) | peak RSS/rank (MB) | step (s) |")
+    print("|---|---|---|---|---|")
+    for strategy in args.strategies:
+        ranks = run(args.out, strategy, args.overrides)
+        cell = lambda key, fmt="{:.1f}": " / ".join(fmt.format(r[key]) for r in ranks)   # noqa: E731
+        print(f"| {strategy} | {cell('params_mb')} | {cell('optimizer_mb')} | {cell('peak_rss_mb', '{:.0f}')} | "
+              f"{cell('step_s', '{:.2f}')} |", flush=True)
+    print(f"\nPredicted GB per GPU for {args.predict_params:.3g} parameters on {args.predict_gpus} GPUs "
+          "(weights + gradients + Adam; ZeRO-3 offload keeps them in CPU memory):")
+    for strategy, gb in predict(args.predict_params, args.predict_gpus):
+        print(f"- {strategy}: {gb:.1f} GB")
+
+
+if __name__ == "__main__":
+    main()

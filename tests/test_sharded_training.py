@@ -1,0 +1,160 @@
+"""The card's distributed path, run for real: every trainable method under DeepSpeed ZeRO-2 and ZeRO-3 (and ar, cllm
+and a frozen-base method under FSDP2) on 2 CPU processes (gloo), through ``python -m lit_spec.train`` as a user runs
+it; and data parallelism changing nothing but speed.
+
+Each run is a CLI subprocess (Lightning re-launches the same command for rank 1), ~25 s on 2 cores: the module is
+marked ``distributed`` and runs as its own step of ``.ci/run`` (``pytest -m distributed``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import MICRO_MODEL, MICRO_RUN, built_method, make_config
+from lit_spec.decoding import generate
+from test_cllm import write_trajectories
+from test_draft_distill import STUDENT
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT_S = 600     # the first ZeRO-Offload run compiles DeepSpeedCPUAdam (~2-3 min on 2 busy cores)
+TESTS = Path(__file__).parent
+# every run: 2 processes, checkpoints every 2 steps kept, the speedup callback at train start and at each validation
+TWO_RANKS = ["trainer.devices=2", "trainer.log_every_n_steps=1", "trainer.max_steps=6", "trainer.val_check_interval=3",
+             "callbacks=speedup", "callbacks.speedup.num_prompts=2", "callbacks.speedup.max_new_tokens=8",
+             "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.model_checkpoint.save_top_k=-1",
+             "callbacks.model_checkpoint.monitor=null"]
+BASE_CHECK = ["+callbacks.base_unchanged._target_=sharded_checks.FrozenBaseUnchanged"]
+HEADS = {"chimera": ["method=chimera"], "medusa": ["method=medusa"],
+         "hidden_transfer": ["method=hidden_transfer", "method.layers=[1,2]", "method.tree=[2,1]"]}
+# method -> (overrides, the decoder the speedup callback measures besides AR)
+METHODS = {"ar": (["callbacks.speedup.extra_decoders={jacobi: {n_tokens: 4}}"], "jacobi"),
+           "cllm": ([], "jacobi"),
+           **{name: ([*args, *BASE_CHECK], name) for name, args in HEADS.items()},
+           "draft_distill": (["method=draft_distill", *STUDENT, *BASE_CHECK], "speculative")}
+ZERO = ["deepspeed_zero2", "deepspeed_zero3"]
+MATRIX = [(m, s) for m in METHODS for s in ZERO] + [(m, "fsdp") for m in ("ar", "cllm", "medusa")]
+
+
+def train_cli(run_dir: Path, *overrides: str) -> dict:
+    """``python -m lit_spec.train`` in its own process group (a hung rank is killed with it); returns metrics.json."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log = run_dir.parent / f"{run_dir.name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "lit_spec.train", *overrides, f"hydra.run.dir={run_dir}"],
+                                cwd=run_dir.parent, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"{run_dir.name} did not finish in {TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+    assert proc.returncode == 0, log.read_text()[-5000:]
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def logged(run_dir: Path, key: str) -> list[tuple[int, float]]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return [(int(r["step"]), float(r[key])) for r in csv.DictReader(f) if r.get(key)]
+
+
+def method_run(method: str, tmp_path: Path) -> list[str]:
+    if method != "cllm":
+        return [*MICRO_RUN, *METHODS[method][0]]
+    traj = write_trajectories(tmp_path / "traj", train=8, validation=2)
+    return [*MICRO_MODEL, "method=cllm", "data=trajectories", f"data.path={traj}", "data.batch_size=2",
+            "method.n_tokens=3", "method.lr=3e-3", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false"]
+
+
+def check_export(method: str, export: Path, base_dir: str, initial: dict[str, torch.Tensor]) -> None:
+    """What the run exported is what plain transformers (or our heads loader) reads, trained, and decodes losslessly."""
+    ids = torch.tensor([[1, 5, 9, 13, 17]])
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    greedy = generate(base, ids, "ar", max_new_tokens=12).sequences
+    if method in ("ar", "cllm"):
+        trained = load_file(export / "model.safetensors")
+        assert trained.keys() == initial.keys()
+        assert any(not torch.equal(trained[k], initial[k]) for k in trained), "exported the untrained weights"
+        model = AutoModelForCausalLM.from_pretrained(export)
+        assert torch.equal(generate(model, ids, "jacobi", max_new_tokens=12, n_tokens=4).sequences,
+                           generate(model, ids, "ar", max_new_tokens=12).sequences)
+    elif method == "draft_distill":
+        student = AutoModelForCausalLM.from_pretrained(export)
+        assert student.config.num_hidden_layers == 1
+        out = generate(base, ids, "speculative", max_new_tokens=12, draft_model=student, gamma=3)
+        assert torch.equal(out.sequences, greedy)
+    else:
+        heads = load_file(export / "heads.safetensors")
+        assert heads and all(v.numel() > 0 for v in heads.values()), "every tensor whole, none a ZeRO-3 partition"
+        draft = {"transfer": str(export), "tree": [2, 1]} if method == "hidden_transfer" else {"heads": str(export)}
+        out = generate(base, ids, method, max_new_tokens=12, **draft)
+        assert torch.equal(out.sequences, greedy)
+
+
+@pytest.mark.parametrize("method, strategy", MATRIX)
+def test_method_trains_exports_and_resumes_on_two_processes(method, strategy, tmp_path, micro_dirs):
+    run = [*method_run(method, tmp_path), *TWO_RANKS, f"strategy={strategy}"]
+    first = tmp_path / "first"
+    metrics = train_cli(first, *run)
+    assert metrics["global_step"] == 6
+
+    # the speedup callback ran on both ranks (ZeRO-3: every forward collective) at the start and after 2 validations
+    decoder = METHODS[method][1]
+    assert [v for _, v in logged(first, f"exact_match/{decoder}")] == [1.0, 1.0, 1.0]
+    assert len(logged(first, f"mean_accepted/{decoder}")) == 3 and logged(first, "tokens_per_s/ar")
+
+    check_export(method, first / "export", micro_dirs[0], load_file(Path(micro_dirs[0]) / "model.safetensors"))
+    if "base_unchanged" in " ".join(run):
+        for rank in (0, 1):
+            result = json.loads((first / f"base_unchanged.rank{rank}.json").read_text())
+            assert result["equal"] and result["tensors"] > 0, (rank, result)
+
+    # resumed from the sharded checkpoint of step 2 (mid-epoch), it trains steps 2..5 on the same batches
+    checkpoint = first / "checkpoints" / "step000002.ckpt"
+    assert checkpoint.is_dir(), "sharded checkpoints are directories"
+    resumed = tmp_path / "resumed"
+    assert train_cli(resumed, *run, f"ckpt_path={checkpoint}")["global_step"] == 6
+    expected = [(s, v) for s, v in logged(first, "train/loss") if s >= 2]
+    got = logged(resumed, "train/loss")
+    assert [s for s, _ in got] == [2, 3, 4, 5]
+    assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-5), (expected, got)
+
+
+def test_data_parallelism_changes_nothing_but_speed(tmp_path):
+    """2 ranks with batch b give one process's per-step losses and weights with batch 2b, under every strategy,
+    across an epoch boundary. Every answer is cut to 8 tokens, so each rank's token-mean loss weighs its tokens as
+    one process would, and the 64 records fill every batch (no rank pads its last one with a repeated record)."""
+    common = [*MICRO_RUN, "data.max_prompt_tokens=512", "data.max_answer_tokens=8", "trainer.max_steps=5",
+              "trainer.val_check_interval=5", "trainer.log_every_n_steps=1", "method.warmup_steps=0"]
+    _, datamodule = built_method(make_config(tmp_path / "data", common))
+    answers = datamodule.splits["train"]["answer_ids"]
+    assert len(answers) == 64 and {len(a) for a in answers} == {8}, "the premise of the comparison"
+    one = tmp_path / "one"
+    train_cli(one, *common, "data.batch_size=16")
+    reference = logged(one, "train/loss")
+    assert [s for s, _ in reference] == [0, 1, 2, 3, 4]
+    assert reference[-1][1] < reference[0][1] - 0.1, "the steps really train"
+    weights = load_file(one / "export" / "model.safetensors")
+    for strategy in ("ddp", *ZERO, "deepspeed_zero3_offload", "fsdp"):   # offload: DeepSpeedCPUAdam, built once
+        run = tmp_path / strategy
+        train_cli(run, *common, "data.batch_size=8", "trainer.devices=2", f"strategy={strategy}")
+        losses = logged(run, "train/loss")
+        assert [s for s, _ in losses] == [0, 1, 2, 3, 4], strategy
+        assert [v for _, v in losses] == pytest.approx([v for _, v in reference], rel=1e-5), (strategy, losses)
+        exported = load_file(run / "export" / "model.safetensors")
+        for k in weights:
+            torch.testing.assert_close(exported[k], weights[k], rtol=1e-4, atol=1e-5, msg=f"{strategy}: {k}")
