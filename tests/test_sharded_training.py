@@ -72,6 +72,25 @@ def logged(run_dir: Path, key: str) -> list[tuple[int, float]]:
         return [(int(r["step"]), float(r[key])) for r in csv.DictReader(f) if r.get(key)]
 
 
+def strategy_run(strategy: str) -> list[str]:
+    """ZeRO-3 with every parameter partitioned (DeepSpeed keeps ones under 1e5 elements whole by default: all of a
+    micro model's), and what each rank holds written by MemoryMonitor."""
+    persistence = ["trainer.strategy.param_persistence_threshold=0"] if strategy == "deepspeed_zero3" else []
+    return [f"strategy={strategy}", *persistence, "++callbacks.memory._target_=lit_spec.callbacks.MemoryMonitor"]
+
+
+def check_held(run_dir: Path, strategy: str) -> None:
+    """Each rank holds half of what its strategy partitions (fp32: 4 bytes an element): ZeRO-2 the optimizer (Adam's
+    m and v and the fp32 master copy ZeRO-2 keeps), ZeRO-3 the parameters too (fp32 weights are their own master
+    there), FSDP the parameters and optimizer of what trains."""
+    for rank in (0, 1):
+        held = json.loads((run_dir / f"memory.rank{rank}.json").read_text())
+        params, trained = held["param_count"] * 4 / 2**20, held["trainable_count"] * 4 / 2**20
+        expected = {"deepspeed_zero2": (params, 3 * trained / 2), "deepspeed_zero3": (params / 2, 2 * trained / 2),
+                    "fsdp": (params - trained / 2, 2 * trained / 2)}[strategy]
+        assert (held["params_mb"], held["optimizer_mb"]) == pytest.approx(expected, rel=0.1), (rank, held, expected)
+
+
 def method_run(method: str, tmp_path: Path) -> list[str]:
     if method != "cllm":
         return [*MICRO_RUN, *METHODS[method][0]]
@@ -107,7 +126,7 @@ def check_export(method: str, export: Path, base_dir: str, initial: dict[str, to
 
 @pytest.mark.parametrize("method, strategy", MATRIX)
 def test_method_trains_exports_and_resumes_on_two_processes(method, strategy, tmp_path, micro_dirs):
-    run = [*method_run(method, tmp_path), *TWO_RANKS, f"strategy={strategy}"]
+    run = [*method_run(method, tmp_path), *TWO_RANKS, *strategy_run(strategy)]
     first = tmp_path / "first"
     metrics = train_cli(first, *run)
     assert metrics["global_step"] == 6
@@ -118,6 +137,7 @@ def test_method_trains_exports_and_resumes_on_two_processes(method, strategy, tm
     assert len(logged(first, f"mean_accepted/{decoder}")) == 3 and logged(first, "tokens_per_s/ar")
 
     check_export(method, first / "export", micro_dirs[0], load_file(Path(micro_dirs[0]) / "model.safetensors"))
+    check_held(first, strategy)
     if "base_unchanged" in " ".join(run):
         for rank in (0, 1):
             result = json.loads((first / f"base_unchanged.rank{rank}.json").read_text())

@@ -22,7 +22,15 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 
 
 class DeepSpeedStrategy(LightningDeepSpeedStrategy):
-    """``lightning.pytorch.strategies.DeepSpeedStrategy`` with the same arguments; runs on CUDA or on the CPU."""
+    """``lightning.pytorch.strategies.DeepSpeedStrategy`` with the same arguments, plus ZeRO-3's
+    ``param_persistence_threshold`` (parameters of at most this many elements are never partitioned; DeepSpeed's
+    default, 1e5, keeps a small model whole); runs on CUDA or on the CPU."""
+
+    def __init__(self, *args, param_persistence_threshold: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if param_persistence_threshold is not None and self.config is not None:
+            zero = self.config.setdefault("zero_optimization", {})
+            zero["stage3_param_persistence_threshold"] = param_persistence_threshold
 
     def _on_cpu(self) -> bool:
         return isinstance(self.accelerator, CPUAccelerator)

@@ -21,23 +21,41 @@ import torch
 MB = 2**20
 
 
-def _held(t: torch.Tensor) -> int:
-    """Bytes this process holds of a parameter: its ZeRO-3 partition, its FSDP2 local shard, or all of it."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of a tensor: its ZeRO-3 partition, its FSDP2 local shard, or itself."""
     if hasattr(t, "ds_tensor"):
-        t = t.ds_tensor
-    elif hasattr(t, "to_local"):
-        t = t.to_local()
+        return t.ds_tensor
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _bytes(t: torch.Tensor) -> int:
+    t = _local(t)
     return t.numel() * t.element_size()
 
 
-def optimizer_bytes(optimizer, model_params: set[int]) -> int:
-    """States of the optimizer (through DeepSpeed's wrapper to the torch optimizer it steps), plus the parameters it
-    steps that are not the model's own (ZeRO's flat fp32 partitions)."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    inner = getattr(inner, "optimizer", inner)          # LightningOptimizer -> DeepSpeed ZeRO -> torch / CPU Adam
-    states = sum(_held(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
-    masters = sum(_held(p) for g in inner.param_groups for p in g["params"] if id(p) not in model_params)
-    return states + masters
+def _storage(t: torch.Tensor) -> int:
+    return _local(t).untyped_storage().data_ptr()
+
+
+def _count(p: torch.Tensor) -> int:
+    """Elements of the whole parameter, however it is held."""
+    if hasattr(p, "ds_numel"):
+        return p.ds_numel
+    return p.shape.numel() if hasattr(p, "to_local") else p.numel()    # a DTensor's shape is the global one
+
+
+def optimizer_bytes(optimizer, params: list[torch.Tensor]) -> int:
+    """States of the optimizer that steps (through DeepSpeed's ZeRO wrapper to the torch or CPU Adam inside), plus
+    the master copies it steps that are not the model's own storage (ZeRO's fp32 partitions; none where the weights
+    are fp32 already and ZeRO steps them in place)."""
+    zero = getattr(optimizer, "optimizer", optimizer)        # LightningOptimizer -> the configured or ZeRO optimizer
+    inner = getattr(zero, "optimizer", zero)
+    states = sum(_bytes(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    candidates = [*getattr(zero, "fp32_partitioned_groups_flat", []), *getattr(zero, "single_partition_of_fp32_groups",
+                  []), *(p for g in inner.param_groups for p in g["params"])]
+    model = {_storage(p) for p in params if _local(p).numel()}
+    masters = {_storage(t): t for t in candidates if t.numel() and _storage(t) not in model}
+    return states + sum(_bytes(t) for t in masters.values())
 
 
 class MemoryMonitor(L.Callback):
@@ -56,9 +74,10 @@ class MemoryMonitor(L.Callback):
         report = {
             "rank": trainer.global_rank, "world_size": trainer.world_size,
             "strategy": type(trainer.strategy).__name__,
-            "param_count": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params),
-            "params_mb": sum(_held(p) for p in params) / MB,
-            "optimizer_mb": sum(optimizer_bytes(o, {id(p) for p in params}) for o in trainer.optimizers) / MB,
+            "param_count": sum(_count(p) for p in params),
+            "trainable_count": sum(_count(p) for p in params if p.requires_grad),
+            "params_mb": sum(_bytes(p) for p in params) / MB,
+            "optimizer_mb": sum(optimizer_bytes(o, params) for o in trainer.optimizers) / MB,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,   # Linux reports KiB
             "step_s": statistics.median(self.step_times[1:] or self.step_times or [0.0]),   # the first one warms up
         }

@@ -111,7 +111,7 @@ class SpeedupCallback(L.Callback):
         modes = {m: m.training for m in pl_module.modules()}
         pl_module.eval()
         try:
-            with whole_parameters(pl_module):   # ZeRO-3: every rank decodes with the whole model
+            with whole_parameters(pl_module):   # ZeRO-3, FSDP: every rank decodes with the whole model
                 self._prepare(trainer, pl_module)
                 decoders = {"ar": self.decoders["ar"]} if only_ar else self.decoders
                 return self._decode(decoders, self.records, pl_module.device)

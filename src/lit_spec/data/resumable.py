@@ -71,7 +71,7 @@ class ResumableLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict:
-        if not isinstance(self.sampler, EpochOrder):      # re-wrapped for distributed training: not resumable here
+        if not isinstance(self.sampler, EpochOrder):      # a sampler Lightning put in its place: not resumable here
             return {}
         return {"epoch": self.sampler.epoch, "batches": self._served}
 
