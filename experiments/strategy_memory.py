@@ -28,13 +28,17 @@ def run(out: Path, strategy: str, overrides: list[str]) -> list[dict]:
     return [json.loads((run_dir / f"memory.rank{r}.json").read_text()) for r in range(2)]
 
 
-def predict(params: float, gpus: int) -> list[tuple[str, float]]:
-    """GB per GPU for weights + gradients + Adam (ZeRO paper §3's accounting, bf16 mixed precision: 2 + 2 bytes of
-    weights and gradients and K = 12 of fp32 master, m and v per parameter), activations and buffers left out."""
-    psi, n, gb = params, gpus, 1e9
-    return [("ddp", 16 * psi / gb), ("deepspeed_zero2", (2 * psi + 14 * psi / n) / gb),
-            ("deepspeed_zero3", 16 * psi / n / gb), ("deepspeed_zero3_offload", 0.0),
-            ("fsdp", 16 * psi / n / gb)]
+def predict(params: float, gpus: int) -> list[tuple[str, str]]:
+    """Per GPU, weights + gradients + Adam under bf16 mixed precision (the ZeRO paper's accounting, §3: 2 bytes of
+    bf16 weights, 2 of gradients and K = 12 of fp32 master, m and v per parameter Ψ, over N GPUs); activations,
+    buffers and fragmentation left out."""
+    gb = lambda bytes_: f"{bytes_ / 1e9:.1f} GB"   # noqa: E731
+    psi, n = params, gpus
+    return [("ddp", f"16Ψ = {gb(16 * psi)}"),
+            ("deepspeed_zero2", f"2Ψ + 14Ψ/N = {gb(2 * psi + 14 * psi / n)}"),
+            ("deepspeed_zero3", f"16Ψ/N = {gb(16 * psi / n)}"),
+            ("deepspeed_zero3_offload", f"the layers in use only; 16Ψ/N = {gb(16 * psi / n)} per GPU in host memory"),
+            ("fsdp", f"16Ψ/N = {gb(16 * psi / n)} (FULL_SHARD)")]
 
 
 def main() -> None:
@@ -55,8 +59,8 @@ def main() -> None:
               f"{cell('step_s', '{:.2f}')} |", flush=True)
     print(f"\nPredicted GB per GPU for {args.predict_params:.3g} parameters on {args.predict_gpus} GPUs "
           "(weights + gradients + Adam; ZeRO-3 offload keeps them in CPU memory):")
-    for strategy, gb in predict(args.predict_params, args.predict_gpus):
-        print(f"- {strategy}: {gb:.1f} GB")
+    for strategy, figure in predict(args.predict_params, args.predict_gpus):
+        print(f"- {strategy}: {figure}")
 
 
 if __name__ == "__main__":

@@ -131,7 +131,12 @@ def _collect(cfg: DictConfig, out: Path) -> Path:
 
     done = {split: done_batches(out, split) for split in c.splits}
     todo = [b for b in plan if b["batch"] not in done[b["split"]]]
-    trainer: L.Trainer = instantiate(cfg.trainer, _partial_=True)(callbacks=[TokensPerSecond()], logger=False)
+    devices = cfg.trainer.get("devices")
+    if isinstance(devices, int) and 0 < len(todo) < devices:     # the predict loop gives each process a batch or fails
+        log.info("%d batches left: collecting with %d processes, not %d", len(todo), len(todo), devices)
+        devices = len(todo)
+    trainer: L.Trainer = instantiate(cfg.trainer, _partial_=True)(devices=devices, callbacks=[TokensPerSecond()],
+                                                                   logger=False)
     if trainer.is_global_zero:
         write_meta(out, config, complete=False)
         log.info("collecting %d batches of %d prompts (%d on disk already) into %s", len(todo),
