@@ -35,7 +35,8 @@ def check_hardware(cfg: DictConfig) -> None:
     if accelerator in {"gpu", "cuda"} and not torch.cuda.is_available():
         raise ConfigError(f"trainer.accelerator={accelerator} but no CUDA GPU is visible: use trainer=cpu")
     if isinstance(devices, int) and not isinstance(devices, bool):
-        have, what = ((torch.cuda.device_count(), "CUDA GPUs") if accelerator in {"gpu", "cuda"}
+        gpus = accelerator in {"gpu", "cuda"} or (accelerator == "auto" and torch.cuda.is_available())
+        have, what = ((torch.cuda.device_count(), "CUDA GPUs") if gpus
                       else (len(os.sched_getaffinity(0)), "CPU cores, one per process"))
         if devices > have:
             raise ConfigError(f"trainer.devices={devices} but this machine has {have} {what}: use "

@@ -70,6 +70,11 @@ class MemoryMonitor(L.Callback):
         self.step_times.append(time.perf_counter() - self._started)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for unit in pl_module.modules():     # what is held between steps: FSDP2 leaves its root unit whole after a
+            if isinstance(unit, FSDPModule):  # forward with no backward (the last validation's)
+                unit.reshard()
         params = list(pl_module.parameters())
         report = {
             "rank": trainer.global_rank, "world_size": trainer.world_size,
