@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,15 @@ def private_datasets_cache(tmp_path_factory, monkeypatch):
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.getbasetemp() / "hf_datasets")
+
+
+def hold_lock(path: Path, seconds: float) -> subprocess.Popen:
+    """Another process holding ``one_writer``'s lock on ``path`` for ``seconds`` (returns once it holds it)."""
+    code = (f"import time\nfrom lit_spec.io import one_writer\nwith one_writer({str(path)!r}, 'x'):\n"
+            f"    print('held', flush=True)\n    time.sleep({seconds})\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
 
 
 # ---- decoding tests -------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from lit_spec.decoding import generate
 from lit_spec.decoding.draft_heads import ChimeraCandidates, ChimeraDecoder, MedusaCandidates
 from lit_spec.decoding.state import DecodeState
 from lit_spec.errors import ConfigError
+from lit_spec.export import MARK
 from lit_spec.models.chimera import ChimeraDraft, NGramCache, full_context_mask, ngram_inputs
 from lit_spec.models.draft_heads import DraftVocab, MedusaHeads
 from lit_spec.models.saved_heads import load_heads, save_heads
@@ -335,7 +336,7 @@ def test_train_logs_head_accuracy_exports_the_heads_and_resumes(micro_config, tm
     assert metrics[f"exact_match/{method}"] == 1.0 and metrics[f"mean_accepted/{method}"] >= 1.0
     assert ("val/distill" in metrics) == (method == "chimera")
     export = Path(cfg.export_dir)
-    assert sorted(p.name for p in export.iterdir()) == ["heads.json", "heads.safetensors"]
+    assert sorted(p.name for p in export.iterdir()) == ["heads.json", "heads.safetensors", MARK]
 
     last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
     state = torch.load(last, weights_only=True, map_location="cpu")["state_dict"]

@@ -18,8 +18,9 @@ import yaml
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from conftest import MICRO_RUN
+from conftest import MICRO_RUN, hold_lock
 from lit_spec.config import config_dir
+from lit_spec.run_dir import LOCK
 
 EXPERIMENTS = sorted(p.stem for p in (config_dir() / "experiment").glob("*.yaml") if not p.name.startswith("_"))
 # every experiment composes in-process in test_config.py; through the real CLI, two of them (each costs ~10 s)
@@ -30,6 +31,10 @@ ERROR_CASES = {
     "devices": ["trainer.devices=4096", "strategy=deepspeed_zero3"],
     "gpu": ["trainer=gpu"],
     "ckpt": ["ckpt_path=/nonexistent.ckpt"],
+    # run directories (prepared by the fixture): one holding an earlier run, one a running run holds, one a file
+    "used": [],
+    "locked": [],
+    "unwritable": [],
 }
 TIMEOUT_S = 300
 
@@ -76,11 +81,22 @@ def _run_all(cmds: dict[str, list[str]], cwd: Path, env: dict[str, str]) -> dict
 @pytest.fixture(scope="module")
 def cli(stage_cache, tmp_path_factory) -> tuple[dict[str, subprocess.CompletedProcess], Path]:
     root = tmp_path_factory.mktemp("cli")
+    for name in (".hydra/config.yaml", "checkpoints/last.ckpt"):
+        (root / "used" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "used" / name).write_text(f"the earlier run's {name}")
+    (root / "unwritable").write_text("a file where the run directory should be")
     cmds = {name: _train_cmd(*args, *MICRO_RUN, f"hydra.run.dir={root / name}")
             for name, args in ERROR_CASES.items()}
     cmds |= {f"cfg_{e}": _train_cmd(f"+experiment={e}", f"hydra.run.dir={root / e}", "--cfg", "job")
              for e in CLI_EXPERIMENTS}
-    return _run_all(cmds, root, _env(stage_cache)), root
+    cmds["bench_draft"] = [sys.executable, "-m", "lit_spec.bench", "draft=tiny_draft",
+                           f"hydra.run.dir={root / 'bench_draft'}"]
+    holder = hold_lock(root / "locked" / LOCK, TIMEOUT_S)
+    try:
+        return _run_all(cmds, root, _env(stage_cache)), root
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def _one_line_error(result: subprocess.CompletedProcess) -> str:
@@ -109,6 +125,38 @@ def test_gpu_trainer_on_cpu_is_a_one_line_error(cli):
 def test_missing_checkpoint_is_a_one_line_error(cli):
     line = _one_line_error(cli[0]["ckpt"])
     assert "/nonexistent.ckpt" in line and "no such checkpoint" in line, line
+
+
+@pytest.mark.slow
+def test_a_run_directory_holding_a_run_is_refused_before_hydra_writes_there(cli):
+    results, root = cli
+    line = _one_line_error(results["used"])
+    assert f"hydra.run.dir={root / 'used'} already holds a run (.hydra, checkpoints)" in line, line
+    assert "ckpt_path=" in line
+    assert sorted(str(p.relative_to(root / "used")) for p in (root / "used").rglob("*") if p.is_file()) == [
+        ".hydra/config.yaml", ".run.lock", "checkpoints/last.ckpt"], "no train.log, no new .hydra"
+    assert (root / "used" / ".hydra" / "config.yaml").read_text() == "the earlier run's .hydra/config.yaml"
+
+
+@pytest.mark.slow
+def test_a_second_run_into_a_running_runs_directory_is_refused(cli):
+    results, root = cli
+    line = _one_line_error(results["locked"])
+    assert f"hydra.run.dir={root / 'locked'} is being written by another process (pid" in line, line
+    assert sorted(p.name for p in (root / "locked").iterdir()) == [LOCK]
+
+
+@pytest.mark.slow
+def test_an_unwritable_run_directory_is_a_one_line_error(cli):
+    results, root = cli
+    line = _one_line_error(results["unwritable"])
+    assert f"hydra.run.dir={root / 'unwritable'}: cannot write there" in line, line
+
+
+@pytest.mark.slow
+def test_a_draft_given_as_a_name_gets_the_syntax_that_works(cli):
+    line = _one_line_error(cli[0]["bench_draft"])
+    assert "model@draft=tiny_draft" in line, line
 
 
 @pytest.mark.slow

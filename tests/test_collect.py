@@ -15,7 +15,7 @@ import torch
 from omegaconf import open_dict
 from random_models import ARCHS, greedy_with_mid_output_eos, random_model, random_prompts, reference_greedy
 
-from conftest import MICRO_MODEL
+from conftest import MICRO_MODEL, hold_lock
 from lit_spec import stages
 from lit_spec.collection import TrajectoryCollector, reference_trajectories, run_collection
 from lit_spec.config import build, compose_config
@@ -148,15 +148,6 @@ def test_a_damaged_or_deleted_part_is_refused_and_the_suggested_rerun_redoes_it(
     run_collection(collect_config(out))
     assert read_meta(out)["stats"]["batches_this_run"] == 1
     assert read_records(out, include_dropped=True) == read_records(baseline, include_dropped=True)
-
-
-def hold_lock(path: Path, seconds: float) -> subprocess.Popen:
-    """Another process holding ``one_writer``'s lock on ``path`` for ``seconds`` (returns once it holds it)."""
-    code = (f"import time\nfrom lit_spec.io import one_writer\nwith one_writer({str(path)!r}, 'x'):\n"
-            f"    print('held', flush=True)\n    time.sleep({seconds})\n")
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    return holder
 
 
 def test_one_collector_per_directory(tmp_path):

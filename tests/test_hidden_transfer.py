@@ -13,6 +13,7 @@ from random_models import ARCHS, greedy_with_mid_output_eos, random_model, rando
 from lit_spec.decoding import generate
 from lit_spec.decoding.masks import causal
 from lit_spec.errors import ConfigError
+from lit_spec.export import MARK
 from lit_spec.models.saved_heads import load_heads, save_heads
 from lit_spec.models.hidden_transfer import HiddenTransfer, transfer_block
 
@@ -170,7 +171,7 @@ def test_micro_training_logs_steps_exports_and_decodes_the_same(micro_config):
     assert "val/step1/cos_layer1" not in metrics          # before step 1's layer output nothing is compared
     assert metrics["exact_match/hidden_transfer"] == 1.0 and metrics["mean_accepted/hidden_transfer"] >= 1.0
     export = Path(cfg.export_dir)
-    assert sorted(p.name for p in export.iterdir()) == ["heads.json", "heads.safetensors"]
+    assert sorted(p.name for p in export.iterdir()) == ["heads.json", "heads.safetensors", MARK]
     spec = build(cfg.model)
     module = build(cfg.method, model_spec=spec)
     module.configure_model()

@@ -122,7 +122,7 @@ def test_the_bench_reports_pass_at_1_per_method(micro_dirs, tmp_path):
 
     cfg = bench_config(tmp_path, micro_dirs[0], None, "data=humaneval", "bench.metric=pass_at_1", "bench.num_prompts=2",
                        "bench.max_new_tokens=8", "data.max_prompt_tokens=100000", "bench.hf_peers=[generate]",
-                       "+decoding.jacobi.n_tokens=4")
+                       "+decoding.jacobi={method: jacobi, n_tokens: 4}")
     results = run_benchmark(cfg, tmp_path)
     methods = results["methods"]
     assert set(methods) == {"ar", "jacobi", "hf_generate"}

@@ -51,15 +51,27 @@ def load_records(cfg: DictConfig, tokenizer) -> list[dict]:
     split = datamodule.splits[cfg.bench.split]
     if len(split) == 0:
         raise ConfigError(f"bench.split={cfg.bench.split}: that split of the data is empty")
+    if cfg.bench.num_prompts > len(split):
+        log.warning("bench.num_prompts=%d, but the %s split has %d records: benchmarking %d prompts",
+                    cfg.bench.num_prompts, cfg.bench.split, len(split), len(split))
     return [record_of(split[i]) for i in range(min(cfg.bench.num_prompts, len(split)))]
+
+
+def chosen_decoders(decoding: DictConfig | None) -> dict[str, dict]:
+    """The ``decoding`` entries that name their ``method``: every option of the group does, so an entry without one
+    holds only values an experiment set for a decoder that this run did not choose (``decoding=[...]``)."""
+    specs = OmegaConf.to_container(decoding, resolve=True) if decoding else {}
+    unchosen = sorted(name for name, params in specs.items() if "method" not in (params or {}))
+    if unchosen:
+        log.info("decoding: %s not chosen (only settings for them are configured): not run", ", ".join(unchosen))
+    return {name: params for name, params in specs.items() if name not in unchosen}
 
 
 def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
     """Name -> runner: our AR first, then the methods of the ``decoding`` group, then transformers' peers."""
     bench, pad = cfg.bench, tokenizer.pad_token_id
     sampling = {"temperature": bench.temperature, "seed": cfg.seed} if bench.temperature > 0 else {}
-    decoding = cfg.get("decoding")
-    specs = {"ar": {}, **(OmegaConf.to_container(decoding, resolve=True) if decoding else {})}
+    specs = {"ar": {}, **chosen_decoders(cfg.get("decoding"))}
     runners: dict = build_decoders(model, specs, draft, pad_token_id=pad, **sampling)
     for mode in bench.hf_peers or []:
         if mode == "assisted" and draft is None:
@@ -70,8 +82,12 @@ def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
     return runners
 
 
-def check_bench(bench: DictConfig) -> None:
+def check_bench(cfg: DictConfig) -> None:
     """The bench's own settings, before any stage, model or decode."""
+    bench, draft = cfg.bench, cfg.get("draft")
+    if draft is not None and not isinstance(draft, DictConfig):
+        raise ConfigError(f"draft={draft!r}: the draft model is a model config, chosen with model@draft=NAME (e.g. "
+                          "model@draft=tiny_draft), or draft=null for none")
     check_count("bench.num_prompts", bench.num_prompts)
     check_count("bench.max_new_tokens", bench.max_new_tokens)
     check_count("bench.warmup_prompts", bench.warmup_prompts, minimum=0)
@@ -80,7 +96,8 @@ def check_bench(bench: DictConfig) -> None:
 
 
 def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
-    check_bench(cfg.bench)
+    check_bench(cfg)
+    build(cfg.data)   # its settings are checked as it is built; without a tokenizer it reads nothing
     ensure_stages(cfg)  # the target's and the draft's stages: cached, or built now
     torch.manual_seed(cfg.seed)
     device = _device(cfg.bench.device)
@@ -107,7 +124,7 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     # sampled outputs differ by chance: token identity is a greedy (temperature 0) check only
     methods = compare(runs, "ar", exact=not cfg.bench.temperature, reference="hf_generate")
     results = {"model": spec.name_or_path, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
-               "num_prompts": len(prompts), "max_new_tokens": max_new, "temperature": cfg.bench.temperature,
+               "num_prompts": len(prompts), "num_prompts_asked": cfg.bench.num_prompts, "max_new_tokens": max_new, "temperature": cfg.bench.temperature,
                "methods": methods}
     metric = cfg.bench.get("metric")
     if metric is not None:      # every method's own answers: a lossless method scores what AR scores
@@ -164,8 +181,12 @@ def markdown_table(results: dict) -> str:
 def write_report(results: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "bench.json", results)
+    asked = results.get("num_prompts_asked", results["num_prompts"])
     (out_dir / "bench.md").write_text(
-        f"{results['num_prompts']} prompts, max_new_tokens={results['max_new_tokens']}, "
+        f"{results['num_prompts']} prompts"
+        + (f" (bench.num_prompts={asked}: the split has only {results['num_prompts']})"
+           if asked != results["num_prompts"] else "")
+        + f", max_new_tokens={results['max_new_tokens']}, "
         f"temperature={results['temperature']}, device {results['device']}, {results['dtype']}, "
         f"model `{results['model']}`\n\n"
         + markdown_table(results) + ("\nsampled AR answers: " if results["temperature"] else "\ngreedy answers: ")

@@ -44,8 +44,11 @@ class DataError(LitSpecError):
     """A dataset that is missing, empty or lacks the columns its template needs."""
 
 
-def check_count(name: str, value, minimum: int = 1) -> int:
-    """An integer hyperparameter >= ``minimum`` (bools and non-integral floats refused), or a ConfigError naming it."""
+def check_count(name: str, value, minimum: int = 1, optional: bool = False) -> int | None:
+    """An integer setting >= ``minimum`` (bools, strings and non-integral floats refused; null too unless
+    ``optional``), or a ConfigError naming it."""
+    if value is None and optional:
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < minimum:
-        raise ConfigError(f"{name}={value!r}: must be an integer >= {minimum}")
+        raise ConfigError(f"{name}={value!r}: must be an integer >= {minimum}" + (" (or null)" if optional else ""))
     return int(value)

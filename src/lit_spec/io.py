@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -37,12 +38,20 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def launch_rank() -> int:
+    """This process's rank in a multi-process launch (torchrun's RANK, Lightning's LOCAL_RANK for the processes it
+    starts); 0 alone."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+
+
 @contextlib.contextmanager
-def one_writer(path: str | os.PathLike, what: str, wait: bool = False) -> Iterator[None]:
+def one_writer(path: str | os.PathLike, what: str, wait: bool = False,
+               advice: str = "wait for it to finish, then rerun this command (it resumes or finds it done)"
+               ) -> Iterator[None]:
     """Hold an exclusive lock on the file ``path`` (created, holding the holder's pid) while writing ``what``.
-    Another holder: wait for it (``wait``), or a ConfigError naming it. Only rank 0 of a multi-process launch
-    locks (its other ranks write what rank 0 dealt them)."""
-    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))) != 0:
+    Another holder: wait for it (``wait``), or a ConfigError naming it and giving ``advice``. Only rank 0 of a
+    multi-process launch locks (its other ranks write what rank 0 dealt them)."""
+    if launch_rank() != 0:
         yield
         return
     path = Path(path)
@@ -54,8 +63,7 @@ def one_writer(path: str | os.PathLike, what: str, wait: bool = False) -> Iterat
             f.seek(0)
             holder = f.read().strip() or "pid unknown"
             if not wait:
-                raise ConfigError(f"{what} is being written by another process ({holder}); wait for it to finish, "
-                                  "then rerun this command (it resumes or finds it done)") from None
+                raise ConfigError(f"{what} is being written by another process ({holder}); {advice}") from None
             log.info("%s is being written by another process (%s): waiting for it", what, holder)
             fcntl.flock(f, fcntl.LOCK_EX)
         f.seek(0)
@@ -68,6 +76,17 @@ def one_writer(path: str | os.PathLike, what: str, wait: bool = False) -> Iterat
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def set_aside(path: str | os.PathLike) -> Path:
+    """Rename ``path`` to ``<name>.damaged`` (``.damaged-1``, ... if taken), keeping it for inspection."""
+    path = Path(path)
+    aside, n = path.with_name(f"{path.name}.damaged"), 0
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.damaged-{n}")
+    os.replace(path, aside)
+    return aside
+
+
 def file_sha256(path: str | os.PathLike) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -78,11 +97,14 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 def check_writable(directory: str | os.PathLike, what: str) -> None:
     """A ConfigError naming ``what`` (the setting that chose ``directory``) when the directory cannot be created or
-    written in: raised before work starts, not when its first output is due."""
-    directory = Path(directory)
+    written in: raised before work starts, not when its first output is due. Creates nothing: the nearest existing
+    directory on the path is tried with a temporary file."""
+    directory = Path(directory).expanduser().absolute()
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{existing} is a file")
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
         raise ConfigError(f"{what}={directory}: cannot write there ({e.strerror or e}); choose a writable "

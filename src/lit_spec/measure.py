@@ -35,7 +35,8 @@ def build_decoders(model, specs: dict[str, dict], draft=None, **common) -> dict[
             raise ConfigError(f"decoder {name!r}: method {method!r} is not available (have {sorted(DECODERS)})")
         if params.pop("needs_draft", False):
             if draft is None:
-                raise ConfigError(f"decoder {name!r} needs a draft model; set draft=... (a model config)")
+                raise ConfigError(f"decoder {name!r} needs a draft model: choose one with model@draft=NAME (a model "
+                                  "config, e.g. model@draft=tiny_draft)")
             params["draft_model"] = draft
         decoders[name] = DECODERS[method](model, **params, **common)
     return decoders

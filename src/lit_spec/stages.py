@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -45,9 +46,10 @@ from lit_spec.data.base_states import FILE as BASE_STATES_FILE, BaseStates, buil
 from lit_spec.data.self_distilled import SelfDistilledDataModule
 from lit_spec.data.trajectory_data import TrajectoryDataModule
 from lit_spec.errors import ConfigError, one_line_errors
-from lit_spec.io import check_writable, file_sha256, one_writer
+from lit_spec.io import check_writable, file_sha256, one_writer, set_aside
 from lit_spec.models import HFModelSpec, StageModelSpec, TinyModelSpec
 from lit_spec.models.gguf import dequantize_gguf, gguf_path
+from lit_spec.models.spec import damaged_weights
 from lit_spec.models.tiny import build_tiny_model
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,9 @@ COLLECT_GROUPS = ("model", "data", "collect", "seed")                # what a tr
 class Stage:
     """One cached build: ``name`` (``<kind>-<key>``), the config that builds it (null for a leaf), its output
     directory, how to build it, whether it is there (``built``) or half there (``started``: a resumed build), and
-    what must hold before it is built (``check``: raises, before any stage is built)."""
+    what must hold before it is built (``check``: raises, before any stage is built). ``damage``: why a built
+    output cannot be read (a model stage's truncated weights), else None; a damaged output is set aside (with the
+    ``workdir`` it was built in) and built again."""
 
     name: str
     config: DictConfig | None
@@ -69,6 +73,8 @@ class Stage:
     built: Callable[[], bool]
     started: Callable[[], bool]
     check: Callable[[], None] = lambda: None
+    damage: Callable[[], str | None] = lambda: None
+    workdir: Path | None = None
 
     def status(self) -> str:
         return "cached" if self.built() else "interrupted earlier: resuming" if self.started() else "not cached"
@@ -79,7 +85,7 @@ def tiny_model_stage(node: DictConfig) -> Stage:
     spec = build(node)
     out = cache_entry(node.cache_dir, f"tiny_base-{config_hash(spec.architecture())}")
     return Stage(out.name, None, out, partial(build_tiny_model, spec, out), (out / "config.json").is_file,
-                 lambda: False)
+                 lambda: False, damage=partial(damaged_weights, out))
 
 
 def experiment_stage(node: DictConfig) -> Stage:
@@ -89,7 +95,7 @@ def experiment_stage(node: DictConfig) -> Stage:
     with open_dict(cfg):
         cfg.paths.output_dir, cfg.export_dir = str(runs), str(out)
     return Stage(out.name, cfg, out, partial(run_training_stage, cfg), (out / "config.json").is_file,
-                 lambda: any(runs.glob("checkpoints/*.ckpt")))
+                 lambda: newest_checkpoint(runs) is not None, damage=partial(damaged_weights, out), workdir=runs)
 
 
 def collection_stage(kind: str, node: DictConfig) -> Stage:
@@ -133,7 +139,7 @@ def gguf_stage(node: DictConfig) -> Stage:
     what = {"sha256": file_sha256(local)} if local else {"hub_id": source, "file": file, "revision": node.revision}
     out = cache_entry(node.cache_dir, f"gguf-{config_hash({**what, 'dtype': node.dtype})}")
     return Stage(out.name, None, out, partial(dequantize_gguf, source, file, out, node.dtype),
-                 (out / "config.json").is_file, lambda: False)
+                 (out / "config.json").is_file, lambda: False, damage=partial(damaged_weights, out))
 
 
 KINDS: dict[type, Callable[[DictConfig], Stage]] = {
@@ -143,9 +149,23 @@ KINDS: dict[type, Callable[[DictConfig], Stage]] = {
 OUTPUT_KEY = {TrajectoryDataModule: "path", SelfDistilledDataModule: "path", BaseStates: "path"}  # models: name_or_path
 
 
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The latest checkpoint a run directory holds (interrupted.ckpt or last.ckpt, by time), else None."""
+    found = [p for p in (run_dir / "checkpoints").glob("*.ckpt") if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime, default=None)
+
+
 def run_training_stage(cfg: DictConfig) -> None:
+    """Train the stage's experiment in its run directory: resumed from its newest checkpoint when an earlier build
+    was interrupted; from scratch otherwise (what an earlier build left there without a checkpoint is removed)."""
     from lit_spec.training import run_training
 
+    run_dir = Path(cfg.paths.output_dir)
+    resume = newest_checkpoint(run_dir)
+    if resume is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    with open_dict(cfg):
+        cfg.ckpt_path = str(resume) if resume else None
     run_training(cfg)
 
 
@@ -218,6 +238,12 @@ def find_stages(cfg: DictConfig) -> list[Stage]:
 def build_stages(stages: list[Stage]) -> list[Stage]:
     """Build every stage that is not cached, in order, logging one line per stage; every missing stage's check runs
     before the first build."""
+    for stage in stages:
+        damage = stage.built() and stage.damage()
+        if damage:
+            aside = [set_aside(path) for path in (stage.output, stage.workdir) if path is not None and path.exists()]
+            log.warning("stage %s: the cached output at %s is damaged (%s): set aside as %s; building it again",
+                        stage.name, stage.output, damage, " and ".join(map(str, aside)))
     missing = [stage for stage in stages if not stage.built()]
     for stage in missing:
         stage.check()

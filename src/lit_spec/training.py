@@ -6,19 +6,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import lightning as L
 import torch
 from hydra.utils import get_class, instantiate
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_spec.config import build
 from lit_spec.errors import ConfigError, Interrupted, check_count, signal_of
-from lit_spec.export import export_pretrained
+from lit_spec.export import check_export_dir, export_pretrained
 from lit_spec.io import write_json
 from lit_spec.loggers import finish_wandb
+from lit_spec.models.spec import model_shape
+from lit_spec.run_dir import check_run_dir
 from lit_spec.stages import ensure_stages
 
 log = logging.getLogger(__name__)
@@ -67,7 +70,7 @@ RESUMES_FROM = {"file": "a .ckpt file", "deepspeed": "a DeepSpeed checkpoint dir
                 "distributed": "an FSDP checkpoint directory (strategy=fsdp)"}
 
 
-def check_checkpoint(path: Path, cfg: DictConfig) -> None:
+def check_checkpoint(path: Path, cfg: DictConfig) -> dict:
     """``ckpt_path`` resumes this run: a checkpoint of the kind its strategy writes (a .ckpt file, a DeepSpeed or an
     FSDP directory), of the same method, not already at ``trainer.max_steps``, and for DeepSpeed's partitioned
     optimizer states written by as many processes."""
@@ -102,6 +105,46 @@ def check_checkpoint(path: Path, cfg: DictConfig) -> None:
         raise ConfigError(f"ckpt_path={path}: written by {world} processes, and DeepSpeed ZeRO partitions the "
                           f"optimizer states by process: resume with trainer.devices={world} (zero_to_fp32.py in that "
                           "directory gathers the weights alone)")
+    return checkpoint
+
+
+def check_checkpoint_model(path: Path, checkpoint: dict, model_spec) -> None:
+    """The checkpoint was trained on a model of this run's sizes (checked once the model's stage is built)."""
+    saved, wanted = checkpoint.get("model_shape"), model_shape(model_spec.load_config())
+    differ = {k: (saved[k], wanted.get(k)) for k in (saved or {}) if saved[k] != wanted.get(k)}
+    if differ:
+        sizes = ", ".join(f"{k} {a} vs {b}" for k, (a, b) in differ.items())
+        raise ConfigError(f"ckpt_path={path}: a checkpoint of a model of other sizes than {model_spec.name_or_path} "
+                          f"({sizes}); resume with the model it was trained on")
+
+
+# trainer settings that are counts: (minimum, may be null); Lightning's own -1 means "no limit" where it has one
+TRAINER_COUNTS = {"max_steps": (-1, False), "max_epochs": (-1, True), "num_nodes": (1, False),
+                  "accumulate_grad_batches": (1, False), "log_every_n_steps": (1, False),
+                  "check_val_every_n_epoch": (1, True), "num_sanity_val_steps": (-1, False)}
+# counts of batches, or (a float) a share of them
+TRAINER_SHARES = ("val_check_interval", "limit_train_batches", "limit_val_batches")
+
+
+def check_trainer(trainer: DictConfig) -> None:
+    """The trainer's numbers, before any work (Lightning would fail on them mid-setup, or deep in a loop)."""
+    for key, (minimum, optional) in TRAINER_COUNTS.items():
+        if key in trainer:
+            check_count(f"trainer.{key}", trainer[key], minimum, optional)
+    for key in TRAINER_SHARES:
+        value = trainer.get(key)
+        if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            continue
+        if not (isinstance(value, float) and 0.0 <= value <= 1.0):
+            raise ConfigError(f"trainer.{key}={value!r}: a number of batches (an integer >= 0) or a share of them "
+                              "(a float in [0, 1]), or null")
+    devices = trainer.get("devices")
+    if not (isinstance(devices, ListConfig) or (isinstance(devices, str) and re.fullmatch(r"auto|[\d,\s]+", devices))
+            or (isinstance(devices, int) and not isinstance(devices, bool) and (devices >= 1 or devices == -1))):
+        raise ConfigError(f"trainer.devices={devices!r}: a number of devices >= 1, -1 (all), auto or a list of ids")
+    clip = trainer.get("gradient_clip_val")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+        raise ConfigError(f"trainer.gradient_clip_val={clip!r}: a norm >= 0, or null for no clipping")
 
 
 class _FinishRun(L.Callback):
@@ -163,15 +206,21 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     """Fit ``cfg.method`` on ``cfg.data`` with ``cfg.trainer``; export to ``cfg.export_dir``; return final metrics."""
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
+    check_trainer(cfg.trainer)
     check_hardware(cfg)
     check_method_data(cfg)
+    build(cfg.data)   # its settings are checked as it is built; without a tokenizer it reads nothing
     ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path:
-        check_checkpoint(Path(ckpt_path), cfg)
+    checkpoint = check_checkpoint(Path(ckpt_path), cfg) if ckpt_path else None
+    check_run_dir(cfg.paths.output_dir, ckpt_path, "paths.output_dir")
+    if cfg.get("export_dir"):
+        check_export_dir(cfg.export_dir)
 
     ensure_stages(cfg)  # earlier stages (tiny model, tiny target, trajectories): cached, or built now
     model_spec = build(cfg.model)
     model_spec.validate()
+    if checkpoint is not None:
+        check_checkpoint_model(Path(ckpt_path), checkpoint, model_spec)
     tokenizer = model_spec.load_tokenizer()
     datamodule = build(cfg.data, tokenizer=tokenizer)
     datamodule.setup("fit")  # bad data fails here, before any training
@@ -192,7 +241,7 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
         if finish.metrics is None:  # ddp_spawn: the run finished in worker processes, whose rank 0 wrote these
             return json.loads((Path(cfg.paths.output_dir) / "metrics.json").read_text())
         return finish.metrics
-    except SystemExit as stop:      # SIGTERM / Ctrl-C: OnExceptionCheckpoint has saved where training stood
+    except SystemExit as stop:      # SIGTERM / Ctrl-C: InterruptCheckpoint has saved where training stood
         raise Interrupted(f"training stopped at step {trainer.global_step}, before its end (no export, no "
                           f"metrics.json); {resume_hint(cfg)}", signal_of(stop)) from None
     finally:

@@ -1,4 +1,5 @@
+from lit_spec.callbacks.interrupt import InterruptCheckpoint
 from lit_spec.callbacks.memory import MemoryMonitor
 from lit_spec.callbacks.speedup import SpeedupCallback
 
-__all__ = ["MemoryMonitor", "SpeedupCallback"]
+__all__ = ["InterruptCheckpoint", "MemoryMonitor", "SpeedupCallback"]

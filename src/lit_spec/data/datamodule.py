@@ -18,7 +18,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from lit_spec.data.metrics import get_metric
 from lit_spec.data.resumable import EpochOrder, ResumableLoader, data_parallel_rank, epoch_seed
 from lit_spec.data.templates import PromptTemplate
-from lit_spec.errors import DataError
+from lit_spec.errors import DataError, check_count
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,13 @@ class LengthGrouped(EpochOrder):
                                          generator=generator))
 
 
+def check_loader_counts(batch_size, eval_batch_size, num_workers) -> None:
+    """The loader settings every data config has, checked before any work."""
+    check_count("data.batch_size", batch_size)
+    check_count("data.eval_batch_size", eval_batch_size, optional=True)
+    check_count("data.num_workers", num_workers, minimum=0)
+
+
 class AnswerBatches(L.LightningDataModule):
     """Batches of the prompt/answer records in ``self.splits`` (split -> ``datasets.Dataset`` with ``prompt_ids`` and
     ``answer_ids``), which subclasses fill in ``setup``: right-padded ``input_ids``/``attention_mask``/``labels``
@@ -86,6 +93,7 @@ class AnswerBatches(L.LightningDataModule):
     def __init__(self, tokenizer=None, batch_size: int = 8, eval_batch_size: int | None = None, num_workers: int = 0,
                  shuffle_seed: int = 0, metric: str | None = None):
         super().__init__()
+        check_loader_counts(batch_size, eval_batch_size, num_workers)
         if metric is not None:
             get_metric(metric)  # an unknown name fails here, before any work
         self.tokenizer, self.metric = tokenizer, metric
@@ -146,6 +154,10 @@ class PromptDataModule(AnswerBatches):
                  num_workers: int = 0, shuffle_seed: int = 0, metric: str | None = None,
                  eval_shuffle_seed: int | None = None, problem_columns: list[str] | None = None):
         super().__init__(tokenizer, batch_size, eval_batch_size, num_workers, shuffle_seed, metric)
+        for key, value in (("max_prompt_tokens", max_prompt_tokens), ("max_answer_tokens", max_answer_tokens)):
+            check_count(f"data.{key}", value)
+        for key, value in (("max_train_samples", max_train_samples), ("max_eval_samples", max_eval_samples)):
+            check_count(f"data.{key}", value, optional=True)
         if path is not None:  # data.path=... replaces the hub id with a local file
             if not hasattr(source, "path"):
                 raise DataError(f"data.path is not supported by {type(source).__name__}")

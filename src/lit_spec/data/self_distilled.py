@@ -16,7 +16,7 @@ import datasets
 from lit_spec.data.base_states import BaseStates, cached_batch
 from lit_spec.data.datamodule import AnswerBatches
 from lit_spec.data.trajectories import CollectionSource, read_records, split_off_validation
-from lit_spec.errors import ConfigError, DataError
+from lit_spec.errors import DataError, check_count
 
 
 class SelfDistilledDataModule(AnswerBatches):
@@ -42,8 +42,7 @@ class SelfDistilledDataModule(AnswerBatches):
                  metric: str | None = None):
         super().__init__(tokenizer, batch_size, eval_batch_size, num_workers, shuffle_seed, metric)
         for key, value in (("max_train_records", max_train_records), ("max_answer_tokens", max_answer_tokens)):
-            if value is not None and (isinstance(value, bool) or value < 1):
-                raise ConfigError(f"data.{key}={value!r}: must be >= 1 (or null: all)")
+            check_count(f"data.{key}", value, optional=True)
         self.path, self.max_train_records, self.max_answer_tokens = path, max_train_records, max_answer_tokens
         self.source = CollectionSource(path, "the target's own answers")
         self.base_states = base_states if base_states is not None and base_states.enabled else None

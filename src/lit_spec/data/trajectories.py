@@ -30,14 +30,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from lit_spec.errors import ConfigError, DataError
-from lit_spec.io import file_sha256, write_json, write_text
+from lit_spec.io import file_sha256, set_aside, write_json, write_text
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ def check_parts(directory: str | Path, meta: dict) -> list[str]:
         for name in bad:
             path = Path(directory) / PARTS / name
             if path.is_file():
-                os.replace(path, path.with_name(f"{name}.damaged"))
+                set_aside(path)
         write_meta(directory, meta["config"], complete=False)
         log.warning("%s: parts missing or changed since the collection completed: %s; set aside and marked not "
                     "complete", directory, bad)

@@ -24,11 +24,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lit_spec.data.datamodule import IGNORE_INDEX
+from lit_spec.data.datamodule import IGNORE_INDEX, check_loader_counts
 from lit_spec.data.metrics import get_metric
 from lit_spec.data.resumable import EpochOrder, ResumableLoader, data_parallel_rank, epoch_seed
 from lit_spec.data.trajectories import CollectionSource, read_meta, read_records, split_off_validation
-from lit_spec.errors import ConfigError, DataError
+from lit_spec.errors import ConfigError, DataError, check_count
 
 AR_TARGETS = ("generated", "dataset")
 
@@ -129,12 +129,11 @@ class TrajectoryDataModule(L.LightningDataModule):
         super().__init__()
         if ar_target not in AR_TARGETS:
             raise ConfigError(f"data.ar_target={ar_target!r}: choose one of {list(AR_TARGETS)}")
-        if max_context_tokens is not None and max_context_tokens < 1:
-            raise ConfigError(f"data.max_context_tokens={max_context_tokens}: must be >= 1 (or null: no limit)")
+        check_loader_counts(batch_size, eval_batch_size, num_workers)
+        check_count("data.max_context_tokens", max_context_tokens, optional=True)
+        check_count("data.max_train_records", max_train_records, optional=True)
         if metric is not None:
             get_metric(metric)
-        if max_train_records is not None and (isinstance(max_train_records, bool) or max_train_records < 1):
-            raise ConfigError(f"data.max_train_records={max_train_records!r}: must be >= 1 (or null: all)")
         self.tokenizer, self.path = tokenizer, path
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.use_augmented, self.max_context_tokens, self.ar_target = use_augmented, max_context_tokens, ar_target

@@ -14,6 +14,7 @@ import torch
 from lit_spec.data import AnswerBatches
 from lit_spec.methods.optim import build_optimizer, check_optim
 from lit_spec.models import spec_from_dict
+from lit_spec.models.spec import model_shape
 from lit_spec.strategies import fully_shard_model
 
 if TYPE_CHECKING:
@@ -63,10 +64,11 @@ class MethodModule(L.LightningModule):
         return {}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Name the method (its class and the method classes it extends) in every checkpoint: resuming it with
-        another one is refused (``check_checkpoint``)."""
+        """Name the method (its class and the method classes it extends) and the model's sizes in every checkpoint:
+        resuming it with another method or a model of other sizes is refused (``check_checkpoint``)."""
         checkpoint["method"] = [c.__name__ for c in type(self).__mro__
                                 if issubclass(c, MethodModule) and c is not MethodModule]
+        checkpoint["model_shape"] = model_shape(self.model.config)
 
     def configure_optimizers(self):
         return build_optimizer(self, self.hparams)

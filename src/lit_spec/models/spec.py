@@ -19,8 +19,30 @@ from lit_spec.errors import ConfigError
 log = logging.getLogger(__name__)
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+# the sizes a model's weights depend on: a checkpoint saved at other sizes cannot load into it
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads")
 DTYPES = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def model_shape(config) -> dict:
+    """``SHAPE_KEYS`` of a transformers config (the ones it has)."""
+    return {k: getattr(config, k) for k in SHAPE_KEYS if getattr(config, k, None) is not None}
+
+
+def damaged_weights(directory: Path) -> str | None:
+    """Why the safetensors files of a model directory cannot be read (truncated, not safetensors), else None: each
+    file's header is checked against its size, which reads no weights."""
+    from safetensors import safe_open
+
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except Exception as e:   # SafetensorError: truncated or overwritten; OSError: unreadable
+            return f"{file.name} is damaged ({str(e).splitlines()[0]})"
+    return None
 
 
 @dataclass
@@ -80,28 +102,44 @@ class HFModelSpec:
             if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
                 raise ConfigError(f"model.name_or_path={self.name_or_path}: config.json but no weights "
                                   f"({', '.join(WEIGHT_FILES)}); point it at a complete save_pretrained directory")
+            damage = damaged_weights(path)
+            if damage:
+                raise ConfigError(f"model.name_or_path={self.name_or_path}: {damage}; save the model there again "
+                                  "(save_pretrained) or point at an intact copy")
         elif self.name_or_path.startswith((".", "/", "~")):
             raise ConfigError(f"model.name_or_path={self.name_or_path}: no such directory")
         try:
             vocab = self.config_vocab_size()
             tokenizer = self.load_tokenizer()
         except (OSError, ValueError) as e:
+            why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            if path.exists():       # a local directory: nothing to download, something missing in it
+                raise ConfigError(
+                    f"model.name_or_path={self.name_or_path}: its config or tokenizer could not be loaded ({why}); "
+                    "a model directory needs config.json and the tokenizer's files (tokenizer.json / "
+                    "tokenizer_config.json): save them there with tokenizer.save_pretrained(DIR)") from e
             raise ConfigError(
-                f"model '{self.name_or_path}' could not be loaded ({type(e).__name__}: {str(e).splitlines()[0]}). "
-                "If it is a hub id and this machine is offline, download it elsewhere "
-                "(`hf download <id> --local-dir DIR`) and set model.name_or_path=DIR"
+                f"model '{self.name_or_path}' could not be loaded ({why}). If it is a hub id and this machine is "
+                "offline, download it elsewhere (`hf download <id> --local-dir DIR`) and set model.name_or_path=DIR"
             ) from e
         if vocab is not None and len(tokenizer) > vocab:
             raise ConfigError(f"tokenizer of {self.name_or_path} has {len(tokenizer)} tokens but the model's "
                               f"embedding has {vocab}: the tokenizer does not belong to this model")
 
-    def config_vocab_size(self) -> int | None:
-        """The vocabulary size the model's config names (reads config.json only, no weights)."""
+    def load_config(self):
+        """The model's transformers config as this spec loads it (``keep_layers`` applied); reads config.json only."""
         config = AutoConfig.from_pretrained(self.name_or_path, **self._load_kwargs())
         layers = getattr(config, "num_hidden_layers", None)
-        if self.keep_layers is not None and layers is not None and self.keep_layers > layers:
-            raise ConfigError(f"model.keep_layers={self.keep_layers}: {self.name_or_path} has only "
-                              f"{layers} layers")
+        if self.keep_layers is not None and layers is not None:
+            if self.keep_layers > layers:
+                raise ConfigError(f"model.keep_layers={self.keep_layers}: {self.name_or_path} has only "
+                                  f"{layers} layers")
+            config.num_hidden_layers = self.keep_layers
+        return config
+
+    def config_vocab_size(self) -> int | None:
+        """The vocabulary size the model's config names (reads config.json only, no weights)."""
+        config = self.load_config()
         return getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", None)
 
     def load_tokenizer(self):
