@@ -139,6 +139,9 @@ def test_a_checkpoint_of_another_model_size_is_refused_and_a_failed_restore_leav
     ("trainer.limit_val_batches=1.5", r"trainer.limit_val_batches=1.5"),
     ("trainer.devices=0", r"trainer.devices=0"),
     ("trainer.gradient_clip_val=-1", r"trainer.gradient_clip_val=-1"),
+    ("trainer.precision=17", r"trainer.precision=17: choose one of"),
+    ("seed=abc", r"seed='abc': must be an integer >= 0"),
+    ("model.attn_implementation=fast", r"model.attn_implementation='fast'"),
 ])
 def test_trainer_and_data_numbers_are_checked_before_any_stage(micro_config, tmp_path, override, message):
     cfg = micro_config(override)
@@ -153,6 +156,16 @@ def test_trajectory_data_numbers_are_checked(tmp_path):
     cfg = compose_config(["data.batch_size=0"])
     with pytest.raises(ConfigError, match="data.batch_size=0"):
         build(cfg.data)
+
+
+@pytest.mark.parametrize("override,message", [("bench.temperature=-1", "bench.temperature=-1"),
+                                              ("bench.temperature=hot", "bench.temperature='hot'"),
+                                              ("bench.device=tpu", "bench.device='tpu': choose auto, cpu or cuda")])
+def test_bench_settings_are_checked_before_any_stage(tmp_path, override, message):
+    cfg = compose_config([override, f"paths.cache_dir={tmp_path / 'empty_cache'}"], config_name="bench")
+    with pytest.raises(ConfigError, match=message):
+        run_benchmark(cfg, tmp_path / "out")
+    assert not (tmp_path / "empty_cache").exists()
 
 
 # ---- weights and tokenizers -------------------------------------------------------------------------------------------
@@ -222,3 +235,13 @@ def test_a_draft_set_as_a_string_gets_the_syntax_that_works(micro_dirs, tmp_path
         run_benchmark(cfg, tmp_path)
     with pytest.raises(ConfigError, match=r"needs a draft model: choose one with model@draft=NAME"):
         build_decoders(None, {"speculative": {"needs_draft": True}})
+
+
+def test_collection_trainer_numbers_are_checked_before_any_stage(tmp_path):
+    from lit_spec.collection import run_collection
+
+    cfg = compose_config(["trainer.devices=0", f"collect.out_dir={tmp_path / 'out'}",
+                          f"paths.cache_dir={tmp_path / 'empty_cache'}"], config_name="collect")
+    with pytest.raises(ConfigError, match="trainer.devices=0"):
+        run_collection(cfg)
+    assert not (tmp_path / "empty_cache").exists() and not (tmp_path / "out").exists()

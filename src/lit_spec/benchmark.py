@@ -91,6 +91,11 @@ def check_bench(cfg: DictConfig) -> None:
     check_count("bench.num_prompts", bench.num_prompts)
     check_count("bench.max_new_tokens", bench.max_new_tokens)
     check_count("bench.warmup_prompts", bench.warmup_prompts, minimum=0)
+    temperature = bench.temperature
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ConfigError(f"bench.temperature={temperature!r}: a number >= 0 (0: greedy)")
+    if bench.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"bench.device={bench.device!r}: choose auto, cpu or cuda")
     if bench.get("metric") is not None:
         get_metric(bench.metric)  # an unknown name fails here
 

@@ -7,11 +7,13 @@ import json
 import logging
 import os
 import re
+from typing import get_args
 from pathlib import Path
 
 import lightning as L
 import torch
 from hydra.utils import get_class, instantiate
+from lightning.fabric.connector import _PRECISION_INPUT
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -142,6 +144,9 @@ def check_trainer(trainer: DictConfig) -> None:
     if not (isinstance(devices, ListConfig) or (isinstance(devices, str) and re.fullmatch(r"auto|[\d,\s]+", devices))
             or (isinstance(devices, int) and not isinstance(devices, bool) and (devices >= 1 or devices == -1))):
         raise ConfigError(f"trainer.devices={devices!r}: a number of devices >= 1, -1 (all), auto or a list of ids")
+    precisions = [v for group in get_args(_PRECISION_INPUT) for v in get_args(group)]
+    if "precision" in trainer and trainer.precision not in precisions:
+        raise ConfigError(f"trainer.precision={trainer.precision!r}: choose one of {precisions}")
     clip = trainer.get("gradient_clip_val")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
         raise ConfigError(f"trainer.gradient_clip_val={clip!r}: a norm >= 0, or null for no clipping")
@@ -204,9 +209,10 @@ def resume_hint(cfg: DictConfig) -> str:
 
 def run_training(cfg: DictConfig) -> dict[str, float]:
     """Fit ``cfg.method`` on ``cfg.data`` with ``cfg.trainer``; export to ``cfg.export_dir``; return final metrics."""
+    check_count("seed", cfg.get("seed"), minimum=0, optional=True)
+    check_trainer(cfg.trainer)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
-    check_trainer(cfg.trainer)
     check_hardware(cfg)
     check_method_data(cfg)
     build(cfg.data)   # its settings are checked as it is built; without a tokenizer it reads nothing

@@ -40,6 +40,7 @@ from lit_spec.data.trajectories import (LOCK, META, check_parts, done_batches, p
 from lit_spec.errors import ConfigError, DataError, Interrupted, signal_of
 from lit_spec.io import check_writable, one_writer
 from lit_spec.stages import build_stages, find_stages
+from lit_spec.training import check_trainer
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ def run_collection(cfg: DictConfig) -> Path:
     """Collect (or resume, or find complete) the trajectories that ``cfg`` describes; return ``collect.out_dir``."""
     c = cfg.collect
     check_settings(c)
+    check_trainer(cfg.trainer)
     out = Path(c.out_dir)
     check_writable(out, "collect.out_dir")
     with one_writer(out / LOCK, f"collect.out_dir={out}"):      # one collector per directory, whatever its settings

@@ -19,6 +19,7 @@ from lit_spec.errors import ConfigError
 log = logging.getLogger(__name__)
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+ATTENTION = (None, "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 # the sizes a model's weights depend on: a checkpoint saved at other sizes cannot load into it
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads")
@@ -78,6 +79,8 @@ class HFModelSpec:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.attn_implementation not in ATTENTION:
+            raise ConfigError(f"model.attn_implementation={self.attn_implementation!r}: choose one of {ATTENTION}")
         layers = self.keep_layers
         if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
             raise ConfigError(f"model.keep_layers={self.keep_layers!r}: give a layer count >= 1, or "
