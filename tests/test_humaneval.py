@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_spec.data.execution import extract_code, pass_at_1, run_tests
+from lit_spec.data.execution import ISOLATION, extract_code, isolation_level, pass_at_1, run_tests
 from lit_spec.errors import ConfigError, DataError
 from lit_spec.packages import package_dir, resolve
 from test_task_data import setup_eval, tok  # noqa: F401  (the BPE tokenizer with a chat template)
@@ -127,4 +127,8 @@ def test_the_bench_reports_pass_at_1_per_method(micro_dirs, tmp_path):
     methods = results["methods"]
     assert set(methods) == {"ar", "jacobi", "hf_generate"}
     assert all(m["pass_at_1"] == methods["ar"]["pass_at_1"] == 0.0 for m in methods.values())
-    assert "| pass_at_1 |" in Path(tmp_path / "bench.md").read_text()
+    report = Path(tmp_path / "bench.md").read_text()
+    assert "| pass_at_1 |" in report
+    level = isolation_level()                     # what protected the machine is on the record
+    assert results["execution_isolation"].startswith(f"{level} (") and level in ISOLATION
+    assert f"answers executed with isolation: {level} (" in report

@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 
 from lit_spec.config import build
 from lit_spec.data.datamodule import record_of
-from lit_spec.data.metrics import get_metric, score_answers
+from lit_spec.data.execution import describe_isolation
+from lit_spec.data.metrics import EXECUTION_METRICS, get_metric, score_answers
 from lit_spec.data.repetition import RepetitionFilter
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json
@@ -136,6 +137,8 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
         for name, run in runs.items():
             methods[name][metric] = score_answers(metric, run.outputs, records, tokenizer)
     results["metric"] = metric
+    if metric in EXECUTION_METRICS:        # what protected this machine from the answers it ran
+        results["execution_isolation"] = describe_isolation()
     results["quality"] = answer_quality(runs["ar"].outputs, records, tokenizer, metric)
     write_report(results, out_dir)
     return results
@@ -195,7 +198,9 @@ def write_report(results: dict, out_dir: Path) -> None:
         f"temperature={results['temperature']}, device {results['device']}, {results['dtype']}, "
         f"model `{results['model']}`\n\n"
         + markdown_table(results) + ("\nsampled AR answers: " if results["temperature"] else "\ngreedy answers: ")
-        + ", ".join(f"{k} {v:.3f}" for k, v in results["quality"].items()) + "\n")
+        + ", ".join(f"{k} {v:.3f}" for k, v in results["quality"].items()) + "\n"
+        + (f"\nanswers executed with isolation: {results['execution_isolation']}\n"
+           if results.get("execution_isolation") else ""))
     import matplotlib
 
     matplotlib.use("Agg")

@@ -28,7 +28,8 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lit_spec.data.metrics import score_answers
+from lit_spec.data.execution import describe_isolation
+from lit_spec.data.metrics import EXECUTION_METRICS, score_answers
 from lit_spec.decoding import DECODERS, Decoder
 from lit_spec.decoding.verify import greedy_accept_length
 from lit_spec.errors import ConfigError
@@ -97,6 +98,8 @@ class SpeedupCallback(L.Callback):
             raise ConfigError(f"callbacks.speedup.extra_decoders.{clash[0]}: the method already offers a decoder "
                               f"named {clash[0]!r}; name the entry otherwise, with `method: {clash[0]}`")
         self.decoders = decoders | build_decoders(pl_module.model, self.extra_decoders)
+        if getattr(dm, "metric", None) in EXECUTION_METRICS:
+            log.info("speedup callback: %s runs the answers isolated by %s", dm.metric, describe_isolation())
         self._decode({"ar": decoders["ar"]}, self.records[:1], pl_module.device)  # warm-up, untimed
 
     # ---- measuring --------------------------------------------------------------------------------------------
