@@ -35,6 +35,9 @@ ERROR_CASES = {
     "used": [],
     "locked": [],
     "unwritable": [],
+    # a run that succeeds, for what it prints (ERROR_CASES: every case runs in the same fixture)
+    "clean": ["callbacks=speedup", "callbacks.speedup.num_prompts=2", "callbacks.speedup.max_new_tokens=8",
+              "callbacks.speedup.extra_decoders={jacobi: {n_tokens: 4}}", "trainer.log_every_n_steps=1"],
 }
 TIMEOUT_S = 300
 
@@ -85,7 +88,7 @@ def cli(stage_cache, tmp_path_factory) -> tuple[dict[str, subprocess.CompletedPr
         (root / "used" / name).parent.mkdir(parents=True, exist_ok=True)
         (root / "used" / name).write_text(f"the earlier run's {name}")
     (root / "unwritable").write_text("a file where the run directory should be")
-    cmds = {name: _train_cmd(*args, *MICRO_RUN, f"hydra.run.dir={root / name}")
+    cmds = {name: _train_cmd(*MICRO_RUN, *args, f"hydra.run.dir={root / name}")
             for name, args in ERROR_CASES.items()}
     cmds |= {f"cfg_{e}": _train_cmd(f"+experiment={e}", f"hydra.run.dir={root / e}", "--cfg", "job")
              for e in CLI_EXPERIMENTS}
@@ -125,6 +128,24 @@ def test_gpu_trainer_on_cpu_is_a_one_line_error(cli):
 def test_missing_checkpoint_is_a_one_line_error(cli):
     line = _one_line_error(cli[0]["ckpt"])
     assert "/nonexistent.ckpt" in line and "no such checkpoint" in line, line
+
+
+@pytest.mark.slow
+def test_a_run_prints_each_line_once_and_ends_with_a_summary_and_a_plot(cli):
+    results, root = cli
+    result = results["clean"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout + result.stderr
+    lines = [line for line in printed.splitlines() if line.strip()]
+    assert not [line for line in lines if line.startswith("INFO: ")], "Lightning's own handler printed it again"
+    for noise in ("💡 Tip", "FLOPs", "flops_per_batch", "past_key_values", "LeafSpec", "Setting accelerator to CPU"):
+        assert noise not in printed, noise
+    messages = [line.split("] - ", 1)[1] for line in lines if "] - " in line and line.split("] - ", 1)[1].strip()]
+    assert len(messages) == len(set(messages)), "a log line printed twice"
+    assert "done: train — ARModule on" in printed and "jacobi: τ 1.00 → " in printed
+    assert f"files in {root / 'clean'}:" in printed and "speedup.png" in printed and "next:" in printed
+    assert (root / "clean" / "speedup.png").stat().st_size > 10_000
+    assert printed == printed.replace("Total FLOPs", "")
 
 
 @pytest.mark.slow

@@ -19,10 +19,13 @@ from lit_spec.errors import one_line_errors
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="bench")
 def main(cfg: DictConfig) -> None:
     from lit_spec.benchmark import markdown_table, run_benchmark
+    from lit_spec.console import bench_summary, tidy_logging
 
+    tidy_logging()
     with one_line_errors():
         results = run_benchmark(cfg, Path(cfg.paths.output_dir))
     print(markdown_table(results))
+    print(bench_summary(results, Path(cfg.paths.output_dir)))
 
 
 if __name__ == "__main__":

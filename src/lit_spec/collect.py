@@ -18,10 +18,13 @@ from lit_spec.errors import one_line_errors
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="collect")
 def main(cfg: DictConfig) -> None:
     from lit_spec.collection import run_collection  # imported here: `--cfg job` / `--help` need no torch/lightning
+    from lit_spec.console import collection_summary, tidy_logging
+    from lit_spec.data.trajectories import read_meta
 
+    tidy_logging()
     with one_line_errors():
         out = run_collection(cfg)
-    print(out)
+    print(collection_summary(out, read_meta(out)))
 
 
 if __name__ == "__main__":

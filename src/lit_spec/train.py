@@ -17,8 +17,10 @@ from lit_spec.errors import one_line_errors
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    from lit_spec.console import tidy_logging
     from lit_spec.training import run_training  # imported here: `--cfg job` / `--help` need no torch/lightning
 
+    tidy_logging()
     with one_line_errors():
         metrics = run_training(cfg)
     return metrics.get(cfg.get("optimized_metric") or "", None)

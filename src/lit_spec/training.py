@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import time
 from typing import get_args
 from pathlib import Path
 
@@ -17,7 +18,9 @@ from lightning.fabric.connector import _PRECISION_INPUT
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lit_spec.callbacks import SpeedupCallback
 from lit_spec.config import build
+from lit_spec.console import training_summary
 from lit_spec.errors import ConfigError, Interrupted, check_count, signal_of
 from lit_spec.export import check_export_dir, export_pretrained
 from lit_spec.io import write_json
@@ -162,6 +165,7 @@ class _FinishRun(L.Callback):
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         self.metrics: dict[str, float] | None = None
+        self.started = time.monotonic()
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
@@ -170,7 +174,10 @@ class _FinishRun(L.Callback):
             export_pretrained(trainer, module, self.cfg.export_dir)
         if trainer.is_global_zero:
             write_json(Path(self.cfg.paths.output_dir) / "metrics.json", metrics)
-            log.info("metrics: %s", metrics)
+            speedup = next((c for c in trainer.callbacks if isinstance(c, SpeedupCallback)), None)
+            log.info("\n%s", training_summary(self.cfg, metrics, speedup.history if speedup else [],
+                                               len(speedup.records or []) if speedup else 0,
+                                               time.monotonic() - self.started))
         self.metrics = metrics
 
 

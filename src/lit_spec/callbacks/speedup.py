@@ -23,6 +23,7 @@ Every rank decodes the same prompts (under ZeRO-3 every forward is collective); 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -37,6 +38,35 @@ from lit_spec.measure import EXTRAS, Run, build_decoders, compare, decode_prompt
 from lit_spec.strategies import whole_parameters
 
 log = logging.getLogger(__name__)
+
+PLOT = "speedup.png"     # in the run directory, beside csv/metrics.csv
+
+
+def plot_history(history: list[tuple[int, dict[str, float]]], path: Path) -> None:
+    """τ, speedup over AR and quality of every measurement, against the training step (written after each one)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [step for step, _ in history]
+    panels = [("mean_accepted/", "τ (tokens per forward)"), ("speedup/", "speedup over AR (tokens/s)"),
+              ("quality/", "quality")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, (prefix, title) in zip(axes, panels):
+        names = sorted({k for _, m in history for k in m if k.startswith(prefix) and k.count("/") == 1})
+        for name in names:
+            ax.plot(steps, [m.get(name, float("nan")) for _, m in history], marker="o", label=name.split("/", 1)[1])
+        if prefix == "speedup/":
+            ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if names:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
 
 class SpeedupCallback(L.Callback):
     """Args:
@@ -128,6 +158,8 @@ class SpeedupCallback(L.Callback):
         metrics = self._speed(runs) | self._quality(runs, trainer.datamodule)
         self.last_metrics = metrics
         self.history.append((trainer.global_step, metrics))
+        if trainer.is_global_zero:
+            plot_history(self.history, Path(trainer.default_root_dir) / PLOT)
         return metrics
 
     @staticmethod

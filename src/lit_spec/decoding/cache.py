@@ -6,9 +6,23 @@ selected entries of the last block (tree acceptance), select rows of a batch.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+
+@functools.cache
+def _cache_argument(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_argument(model, cache) -> dict:
+    """The keyword a model's forward takes its KV cache by: ``cache`` in recent transformers (which warns that
+    ``past_key_values`` goes away), ``past_key_values`` before."""
+    return {_cache_argument(type(model)): cache}
 
 
 class GrowingLayer(DynamicLayer):

@@ -74,7 +74,7 @@ class DraftRunner:
             mask = attention_mask(torch.ones(1, start, dtype=torch.bool, device=device), visible, self.dtype)
         rows = torch.tensor(logits_at if logits_at is not None else [len(tokens) - 1], device=device)
         out = self.model(input_ids=torch.tensor([tokens], device=device), position_ids=positions[None],
-                         attention_mask=mask, past_key_values=self.cache, use_cache=True,
+                         attention_mask=mask, **kv.cache_argument(self.model, self.cache), use_cache=True,
                          **({"logits_to_keep": rows} if self.selects_logits else {}))
         logits = out.logits[0] if self.selects_logits else out.logits[0, rows]
         sync_device(device)

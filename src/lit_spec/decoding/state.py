@@ -107,7 +107,7 @@ class DecodeState:
         if logits_at is not None and self.model_selects_logits:
             kwargs["logits_to_keep"] = logits_at.to(ids.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                         past_key_values=self.cache, use_cache=True, **kwargs)
+                         **kv.cache_argument(self.model, self.cache), use_cache=True, **kwargs)
         if self.record_hidden:
             self.hidden = out.hidden_states[-1]
         logits = out.logits

@@ -34,6 +34,8 @@ class MethodModule(L.LightningModule):
                          "target's own answers (data=self_distilled)")
     #: the attribute holding the model ``export`` writes (``model``; a distilled draft: ``student``)
     exported: str = "model"
+    #: read by Lightning's ThroughputMonitor: None, FLOPs are not counted (its tokens/s is our throughput figure)
+    flops_per_batch: float | None = None
 
     def __init__(self, model_spec, lr: float = 2e-5, weight_decay: float = 0.0, betas: tuple = (0.9, 0.999),
                  warmup_steps: int = 0, scheduler: str = "cosine", min_lr_ratio: float = 0.1, **method_hparams):

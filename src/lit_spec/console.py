@@ -1,0 +1,126 @@
+"""What a run prints: each log line once, no tips for products lit_spec does not use, no warnings nobody can act on,
+and a short ending for people (what ran, its headline figures, where its files are, what to run next). The
+machine-readable files (metrics.json, csv/, bench.json, meta.json) stay as they are."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+# Raised inside a library, about the library's own code: silenced where they are raised, each with why.
+UNACTIONABLE_WARNINGS = [
+    # Lightning's _pytree helper uses an API the installed torch deprecated; nothing here calls it
+    (r".*isinstance\(treespec, LeafSpec\)` is deprecated", "lightning.pytorch.utilities._pytree"),
+]
+
+
+def _not_a_tip(record: logging.LogRecord) -> bool:
+    return "💡 Tip:" not in record.getMessage()     # Lightning's ads for litlogger / litmodels
+
+
+def _not_cpu_fallback(record: logging.LogRecord) -> bool:
+    # DeepSpeed (imported by transformers) announces its CPU accelerator on every machine without CUDA, where CPU is
+    # the only accelerator there is; on a machine with CUDA the line still shows
+    import torch
+
+    return torch.cuda.is_available() or "Setting accelerator to CPU" not in record.getMessage()
+
+
+def tidy_logging() -> None:
+    """Called once the libraries are imported. The ``lightning`` logger has a console handler of its own and also
+    propagates to the root logger, which Hydra configures (console and the run's log file): every line came out
+    twice. Where the root logger has handlers, Lightning's own is dropped."""
+    lightning = logging.getLogger("lightning")
+    if logging.getLogger().handlers:
+        for handler in [h for h in lightning.handlers if type(h) is logging.StreamHandler]:
+            lightning.removeHandler(handler)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_a_tip)
+    logging.getLogger("DeepSpeed").addFilter(_not_cpu_fallback)
+    for message, module in UNACTIONABLE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, module=module)
+
+
+def _share(value: float | None, total: int) -> str:
+    return "–" if value is None else f"{round(value * total)}/{total}"
+
+
+def _figures(first: dict, last: dict, prompts: int) -> list[str]:
+    """One line per decoder: τ, speedup over AR and exact match, before → after."""
+    lines = []
+    for key in sorted(k for k in last if k.startswith("speedup/")):
+        name = key.split("/", 1)[1]
+        tau, speedup, exact = (f"mean_accepted/{name}", key, f"exact_match/{name}")
+        change = lambda k, fmt: (f"{first[k]:{fmt}} → {last[k]:{fmt}}" if k in first else f"{last[k]:{fmt}}")  # noqa: E731
+        verdict = ("faster than AR, same output" if last[speedup] > 1 and last.get(exact) == 1.0 else
+                   "faster than AR" if last[speedup] > 1 else "not faster than AR")
+        lines.append(f"  {name}: τ {change(tau, '.2f')}, speedup {change(speedup, '.2f')}×, exact "
+                     f"{_share(first.get(exact), prompts) + ' → ' if exact in first else ''}"
+                     f"{_share(last.get(exact), prompts)}: {verdict}")
+    quality = [k for k in last if k.startswith("quality/") and k.count("/") == 1]
+    if quality:
+        lines.append("  quality: " + ", ".join(
+            f"{k.split('/', 1)[1]} {first[k]:.2f} → {last[k]:.2f}" if k in first else f"{k.split('/', 1)[1]} "
+            f"{last[k]:.2f}" for k in sorted(quality)))
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 60 else f"{seconds // 60:.0f} min {seconds % 60:.0f} s"
+
+
+def training_summary(cfg, metrics: dict, history: list, prompts: int, seconds: float) -> str:
+    """The ending of ``python -m lit_spec.train``: what ran, the speedup callback's first and last figures, the files,
+    the next commands."""
+    run = Path(cfg.paths.output_dir)
+    what = cfg.method._target_.rsplit(".", 1)[1]
+    lines = [f"done: {cfg.get('task_name', 'train')} — {what} on {Path(str(cfg.model.name_or_path)).name}, "
+             f"{metrics.get('global_step', 0)} steps in {_duration(seconds)}"]
+    if history:
+        (step0, first), (step1, last) = history[0], history[-1]
+        lines.append(f"decoding {prompts} held-out prompts (speedup callback), step {step0} → step {step1}:")
+        lines += _figures(first if step0 != step1 else {}, last, prompts)
+    if "val/loss" in metrics:
+        lines.append(f"  val/loss {metrics['val/loss']:.3f}")
+    files = [("export/", "the trained model (save_pretrained)", cfg.get("export_dir")),
+             ("checkpoints/", "last.ckpt and the best by val/loss (resume: ckpt_path=.../last.ckpt)",
+              run / "checkpoints"),
+             ("csv/metrics.csv", "every logged figure", run / "csv" / "metrics.csv"),
+             ("speedup.png", "τ, speedup and quality over the steps", run / "speedup.png"),
+             ("metrics.json", "the final figures", run / "metrics.json")]
+    lines.append(f"files in {run}:")
+    lines += [f"  {name:<16} {why}" for name, why, path in files if path and Path(path).exists()]
+    export = cfg.get("export_dir")
+    lines.append("next:")
+    if export and Path(export).exists():
+        lines.append(f"  python -m lit_spec.bench model=hf model.name_or_path={export} model.dtype=float32  "
+                     "# bench the export")
+    lines.append("  python -m lit_spec.train -m method.lr=1e-4,5e-4 trainer.max_steps=400  # a sweep, one run each")
+    return "\n".join(lines)
+
+
+def bench_summary(results: dict, out_dir: Path) -> str:
+    """The ending of ``python -m lit_spec.bench``: the fastest of our methods, whether its output is AR's, where the
+    report is."""
+    ours = {n: m for n, m in results["methods"].items() if not n.startswith("hf_") and n != "ar"}
+    lines = [f"done: {results['num_prompts']} prompts × {len(results['methods'])} runners on {results['device']} "
+             f"({results['dtype']})"]
+    if ours:
+        name, best = max(ours.items(), key=lambda item: item[1]["speedup"] or 0)
+        exact = best.get("exact_match")
+        lines.append(f"fastest of ours: {name}, {best['speedup']:.2f}× our AR"
+                     + (f", {best['speedup_reference']:.2f}× transformers' generate" if best.get("speedup_reference")
+                        else "")
+                     + ("" if exact is None else f", exact on {_share(exact, results['num_prompts'])} prompts"))
+    lines.append(f"files in {out_dir}: bench.md (the table), bench.json, bench.png")
+    return "\n".join(lines)
+
+
+def collection_summary(out: Path, meta: dict) -> str:
+    """The ending of ``python -m lit_spec.collect``: what was collected, where, how to train on it."""
+    stats = meta.get("stats", {})
+    answers_only = (meta.get("config", {}).get("collect") or {}).get("decoder") == "ar"
+    train = (f"data=self_distilled data.path={out} method=medusa   # a frozen-base method on the answers"
+             if answers_only else f"data=trajectories data.path={out}   # CLLM on the trajectories")
+    return (f"done: {stats.get('records', '?')} answers ({stats.get('kept', '?')} kept by the repetition filter, "
+            f"{stats.get('dropped', '?')} dropped) in {out}\nnext:\n  python -m lit_spec.train {train}")
