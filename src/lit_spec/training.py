@@ -23,7 +23,7 @@ from lit_spec.config import build
 from lit_spec.console import training_summary
 from lit_spec.errors import ConfigError, Interrupted, check_count, signal_of
 from lit_spec.export import check_export_dir, export_pretrained
-from lit_spec.io import write_json
+from lit_spec.io import launch_rank, write_json
 from lit_spec.loggers import finish_wandb
 from lit_spec.models.spec import model_shape
 from lit_spec.run_dir import check_run_dir
@@ -225,7 +225,8 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     build(cfg.data)   # its settings are checked as it is built; without a tokenizer it reads nothing
     ckpt_path = cfg.get("ckpt_path")
     checkpoint = check_checkpoint(Path(ckpt_path), cfg) if ckpt_path else None
-    check_run_dir(cfg.paths.output_dir, ckpt_path, "paths.output_dir")
+    if launch_rank() == 0:   # the other processes of a launch share the directory rank 0 has begun writing
+        check_run_dir(cfg.paths.output_dir, ckpt_path, "paths.output_dir")
     if cfg.get("export_dir"):
         check_export_dir(cfg.export_dir)
 
