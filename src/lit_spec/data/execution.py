@@ -169,18 +169,18 @@ def _bwrap_command(python: str) -> list[str]:
     """bubblewrap around the guarded ``python``: the system directories (and the interpreter's) read-only, nothing
     of the caller's; the working directory and /tmp private tmpfs of 64 MB."""
     prefix = str(Path(python).parents[1])
+    covered = any(prefix == d or prefix.startswith(d + os.sep) for d in SYSTEM_DIRS)
     binds = []
-    for path in (*SYSTEM_DIRS, *([] if any(prefix == d or prefix.startswith(d + os.sep) for d in SYSTEM_DIRS)
-                                 else [prefix])):
+    for path in SYSTEM_DIRS + (() if covered else (prefix,)):
         if os.path.islink(path):
             binds += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             binds += ["--ro-bind", path, path]
+    tmpfs = ["--size", str(64 << 20), "--tmpfs"]
     return ["bwrap", "--die-with-parent", "--new-session", "--unshare-all", "--unshare-user", "--disable-userns",
-            "--uid", str(NOBODY),
-            "--gid", str(NOBODY), *binds, "--proc", "/proc", "--dev", "/dev", "--size", str(64 << 20), "--tmpfs",
-            "/tmp", "--size", str(64 << 20), "--tmpfs", "/sandbox", "--chdir", "/sandbox", "--setenv", "HOME",
-            "/sandbox", "--", python, *PYTHON_FLAGS, GUARD]
+            "--uid", str(NOBODY), "--gid", str(NOBODY), *binds, "--proc", "/proc", "--dev", "/dev",
+            *tmpfs, "/tmp", *tmpfs, "/sandbox", "--chdir", "/sandbox", "--setenv", "HOME", "/sandbox",
+            "--", python, *PYTHON_FLAGS, GUARD]
 
 
 def _launch(level: str, here: str, memory_mb: int, timeout: float) -> tuple[list[str], Callable[[], None]]:
