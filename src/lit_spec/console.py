@@ -16,7 +16,10 @@ UNACTIONABLE_WARNINGS = [
 
 
 def _not_a_tip(record: logging.LogRecord) -> bool:
-    return "💡 Tip:" not in record.getMessage()     # Lightning's ads for litlogger / litmodels
+    # Lightning's ads for litlogger / litmodels, and its note that it skips its default model summary for ours
+    # (callbacks=default's; turning enable_model_summary off instead would change every cached stage's key)
+    message = record.getMessage()
+    return "💡 Tip:" not in message and "Skipping setting a default `ModelSummary`" not in message
 
 
 def _not_cpu_fallback(record: logging.LogRecord) -> bool:
@@ -82,14 +85,16 @@ def training_summary(cfg, metrics: dict, history: list, prompts: int, seconds: f
         lines += _figures(first if step0 != step1 else {}, last, prompts)
     if "val/loss" in metrics:
         lines.append(f"  val/loss {metrics['val/loss']:.3f}")
-    files = [("export/", "the trained model (save_pretrained)", cfg.get("export_dir")),
-             ("checkpoints/", "last.ckpt and the best by val/loss (resume: ckpt_path=.../last.ckpt)",
-              run / "checkpoints"),
-             ("csv/metrics.csv", "every logged figure", run / "csv" / "metrics.csv"),
-             ("speedup.png", "τ, speedup and quality over the steps", run / "speedup.png"),
-             ("metrics.json", "the final figures", run / "metrics.json")]
+    files = [(cfg.get("export_dir"), "the trained model (save_pretrained)"),
+             (run / "checkpoints", "last.ckpt and the best by val/loss (resume: ckpt_path=.../last.ckpt)"),
+             (run / "csv" / "metrics.csv", "every logged figure"),
+             (run / "speedup.png", "τ, speedup and quality over the steps"),
+             (run / "metrics.json", "the final figures")]
     lines.append(f"files in {run}:")
-    lines += [f"  {name:<16} {why}" for name, why, path in files if path and Path(path).exists()]
+    for path, why in files:
+        if path and Path(path).exists():
+            name = str(Path(path).relative_to(run)) if Path(path).is_relative_to(run) else str(path)
+            lines.append(f"  {name + ('/' if Path(path).is_dir() else ''):<16} {why}")
     export = cfg.get("export_dir")
     lines.append("next:")
     if export and Path(export).exists():
