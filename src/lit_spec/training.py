@@ -8,8 +8,8 @@ import logging
 import os
 import re
 import time
-from typing import get_args
 from pathlib import Path
+from typing import get_args
 
 import lightning as L
 import torch
