@@ -44,27 +44,27 @@ def tidy_logging() -> None:
         warnings.filterwarnings("ignore", message=message, module=module)
 
 
-def _share(value: float | None, total: int) -> str:
-    return "–" if value is None else f"{round(value * total)}/{total}"
+def _change(first: dict, last: dict, key: str, show) -> str:
+    """``before → after`` of one figure (``after`` alone when there was no measurement before training)."""
+    return f"{show(first[key])} → {show(last[key])}" if key in first else show(last[key])
 
 
 def _figures(first: dict, last: dict, prompts: int) -> list[str]:
-    """One line per decoder: τ, speedup over AR and exact match, before → after."""
+    """One line per decoder (τ, speedup over AR, exact match, before → after, and a verdict), one for quality."""
+    share = lambda v: f"{round(v * prompts)}/{prompts}"  # noqa: E731
     lines = []
     for key in sorted(k for k in last if k.startswith("speedup/")):
         name = key.split("/", 1)[1]
-        tau, speedup, exact = (f"mean_accepted/{name}", key, f"exact_match/{name}")
-        change = lambda k, fmt: (f"{first[k]:{fmt}} → {last[k]:{fmt}}" if k in first else f"{last[k]:{fmt}}")  # noqa: E731
-        verdict = ("faster than AR, same output" if last[speedup] > 1 and last.get(exact) == 1.0 else
-                   "faster than AR" if last[speedup] > 1 else "not faster than AR")
-        lines.append(f"  {name}: τ {change(tau, '.2f')}, speedup {change(speedup, '.2f')}×, exact "
-                     f"{_share(first.get(exact), prompts) + ' → ' if exact in first else ''}"
-                     f"{_share(last.get(exact), prompts)}: {verdict}")
-    quality = [k for k in last if k.startswith("quality/") and k.count("/") == 1]
+        exact = last.get(f"exact_match/{name}")
+        verdict = ("not faster than AR" if last[key] <= 1 else
+                   "faster than AR, same output" if exact == 1.0 else "faster than AR")
+        lines.append(f"  {name}: τ {_change(first, last, f'mean_accepted/{name}', '{:.2f}'.format)}, speedup "
+                     f"{_change(first, last, key, '{:.2f}×'.format)}, exact "
+                     f"{_change(first, last, f'exact_match/{name}', share)}: {verdict}")
+    quality = sorted(k for k in last if k.startswith("quality/") and k.count("/") == 1)
     if quality:
-        lines.append("  quality: " + ", ".join(
-            f"{k.split('/', 1)[1]} {first[k]:.2f} → {last[k]:.2f}" if k in first else f"{k.split('/', 1)[1]} "
-            f"{last[k]:.2f}" for k in sorted(quality)))
+        lines.append("  quality: " + ", ".join(f"{k.split('/', 1)[1]} {_change(first, last, k, '{:.2f}'.format)}"
+                                               for k in quality))
     return lines
 
 
@@ -112,11 +112,11 @@ def bench_summary(results: dict, out_dir: Path) -> str:
              f"({results['dtype']})"]
     if ours:
         name, best = max(ours.items(), key=lambda item: item[1]["speedup"] or 0)
-        exact = best.get("exact_match")
+        exact, prompts = best.get("exact_match"), results["num_prompts"]
         lines.append(f"fastest of ours: {name}, {best['speedup']:.2f}× our AR"
                      + (f", {best['speedup_reference']:.2f}× transformers' generate" if best.get("speedup_reference")
                         else "")
-                     + ("" if exact is None else f", exact on {_share(exact, results['num_prompts'])} prompts"))
+                     + ("" if exact is None else f", exact on {round(exact * prompts)}/{prompts} prompts"))
     lines.append(f"files in {out_dir}: bench.md (the table), bench.json, bench.png")
     return "\n".join(lines)
 
