@@ -192,6 +192,13 @@ def test_a_damaged_cached_stage_is_set_aside_and_built_again(tmp_path, caplog):
     HFModelSpec(name_or_path=str(stage.output)).validate()
 
 
+def test_a_model_path_that_is_a_file_is_named(micro_dirs):
+    weights = str(Path(micro_dirs[0]) / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"model.name_or_path=.*model.safetensors is a file: point it at a "
+                                          "save_pretrained directory"):
+        HFModelSpec(name_or_path=weights).validate()
+
+
 def test_a_local_model_without_a_tokenizer_is_told_what_is_missing(micro_dirs, tmp_path):
     copy = tmp_path / "model"
     shutil.copytree(micro_dirs[0], copy)

@@ -98,6 +98,9 @@ class HFModelSpec:
             raise ConfigError("model.name_or_path is empty: a model built by a stage (model=tiny, tiny_target, ...) "
                               "gets its path from lit_spec.stages.ensure_stages(cfg) (python -m lit_spec.stages)")
         path = Path(os.path.expanduser(self.name_or_path))
+        if path.is_file():
+            raise ConfigError(f"model.name_or_path={self.name_or_path} is a file: point it at a save_pretrained "
+                              "directory (a GGUF file: model.name_or_path=DIR model.gguf_file=NAME)")
         if path.exists():
             if not (path / "config.json").is_file():
                 raise ConfigError(f"model.name_or_path={self.name_or_path}: a directory without config.json; "
