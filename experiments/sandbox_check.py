@@ -13,7 +13,7 @@ import json
 import os
 import time
 
-from lit_spec.data.execution import ISOLATION, run_program, run_tests
+from lit_spec.data.execution import ISOLATION, run_tests, works
 from lit_spec.packages import package_dir
 
 
@@ -34,13 +34,9 @@ def main() -> None:
     tasks = problems()
     right = [fenced(p["prompt"] + p["canonical_solution"]) for p in tasks]
     wrong = [fenced(f"def {p['entry_point']}(*args, **kwargs):\n    return None\n") for p in tasks]
-    print(f"| isolation | canonical passing | time | wrong passing | time |\n|---|---|---|---|---|")
+    print("| isolation | canonical passing | time | wrong passing | time |\n|---|---|---|---|---|")
     for level in args.levels:
-        try:
-            works = run_program("pass", isolation=level).passed
-        except OSError:
-            works = False
-        if not works:
+        if not works(level):
             print(f"| {level} | (not available here) | | | |")
             continue
         cells = []

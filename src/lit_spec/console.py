@@ -31,13 +31,15 @@ def _not_cpu_fallback(record: logging.LogRecord) -> bool:
 
 
 def tidy_logging() -> None:
-    """Called once the libraries are imported. The ``lightning`` logger has a console handler of its own and also
-    propagates to the root logger, which Hydra configures (console and the run's log file): every line came out
-    twice. Where the root logger has handlers, Lightning's own is dropped."""
-    lightning = logging.getLogger("lightning")
+    """The ``lightning`` logger gets a console handler of its own when Lightning is imported, and also propagates to
+    the root logger, which Hydra configures (console and the run's log file): every line came out twice. Where the
+    root logger has handlers, Lightning's own is dropped."""
+    import lightning  # noqa: F401  (imported first: its import adds the handler)
+
+    lightning_logger = logging.getLogger("lightning")
     if logging.getLogger().handlers:
-        for handler in [h for h in lightning.handlers if type(h) is logging.StreamHandler]:
-            lightning.removeHandler(handler)
+        for handler in [h for h in lightning_logger.handlers if type(h) is logging.StreamHandler]:
+            lightning_logger.removeHandler(handler)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_a_tip)
     logging.getLogger("DeepSpeed").addFilter(_not_cpu_fallback)
     for message, module in UNACTIONABLE_WARNINGS:

@@ -183,10 +183,14 @@ def _bwrap_command(python: str) -> list[str]:
             "--", python, *PYTHON_FLAGS, GUARD]
 
 
+def _drops_privileges(level: str) -> bool:
+    """A root caller drops to ``nobody`` at both kernel levels: root is exempt from the process limit."""
+    return os.geteuid() == 0 and level != "guard"
+
+
 def _launch(level: str, here: str, memory_mb: int, timeout: float) -> tuple[list[str], Callable[[], None]]:
-    """The command and the child's set-up (run after fork, before exec) of one program at isolation ``level``. A root
-    caller drops to ``nobody`` for both kernel levels: root is exempt from the process limit."""
-    drops = os.geteuid() == 0 and level != "guard"
+    """The command and the child's set-up (run after fork, before exec) of one program at isolation ``level``."""
+    drops = _drops_privileges(level)
     python = sandbox_python(drops)
     if python is None:
         raise OSError(f"no python3 that uid {NOBODY} can run (the caller's is {sys.executable})")
@@ -263,8 +267,8 @@ def _execute(program: str, nonce: str, level: str, timeout: float, memory_mb: in
         return started, proc.returncode if ended else None, _tail(out, 4096), _tail(err, 65536)
 
 
-def _probe(level: str) -> bool:
-    """Whether ``level`` runs a trivial program here (tried once per process)."""
+def works(level: str) -> bool:
+    """Whether ``level`` runs a trivial program on this machine."""
     try:
         return run_program("pass", timeout=30, isolation=level).passed
     except OSError:
@@ -278,13 +282,12 @@ def isolation_level() -> str:
     if forced:
         if forced not in ISOLATION:
             raise ConfigError(f"LIT_SPEC_ISOLATION={forced!r}: choose one of {list(ISOLATION)}")
-        if not _probe(forced):
+        if not works(forced):
             raise ConfigError(f"LIT_SPEC_ISOLATION={forced}: that isolation does not work on this machine "
                               f"({ISOLATION[forced]}); unset it to use the strongest one that does")
         return forced
-    for level in ("bwrap", "nobody"):
-        if (level != "bwrap" or shutil.which("bwrap")) and (level != "nobody" or os.geteuid() == 0) \
-                and _probe(level):
+    for level, possible in (("bwrap", shutil.which("bwrap")), ("nobody", os.geteuid() == 0)):
+        if possible and works(level):
             return level
     log.warning("executing model answers without isolation: %s. A program could write the caller's files, read its "
                 "credentials, signal it or open sockets.", ISOLATION["guard"])
@@ -336,7 +339,7 @@ def run_tests(texts: list[str], problems: list[dict], timeout: float = 10.0, mem
 def describe_isolation() -> str:
     """What protects the caller from the programs, for reports (bench.json, bench.md, the speedup callback's log)."""
     level = isolation_level()
-    return f"{level} ({ISOLATION[level]}; python {sandbox_python(os.geteuid() == 0 and level != 'guard')})"
+    return f"{level} ({ISOLATION[level]}; python {sandbox_python(_drops_privileges(level))})"
 
 
 def pass_at_1(texts: list[str], problems: list[dict], **kwargs) -> float:
