@@ -231,7 +231,7 @@ def test_an_explicit_decoder_list_is_what_runs(experiment, chosen):
     cfg = compose_config([f"+experiment={experiment}", f"decoding=[{chosen}]"], config_name="bench")
     assert list(chosen_decoders(cfg.decoding)) == [chosen]
     default = compose_config([f"+experiment={experiment}"], config_name="bench")
-    assert chosen in chosen_decoders(default.decoding) or experiment == "ouroboros_quickstart"
+    assert chosen in chosen_decoders(default.decoding)
 
 
 def test_a_draft_set_as_a_string_gets_the_syntax_that_works(micro_dirs, tmp_path):
