@@ -277,7 +277,7 @@ def test_offline_defaults_are_the_quickstarts_spelled_out(tmp_path):
     assert (paper.window, paper.ngram, paper.guesses) == (15, 5, 15)
     assert compose_config(["decoding=[jacobi]"], config_name="bench").decoding.keys() == {"jacobi"}
     assert compose_config(["decoding.lookahead.window=7"], config_name="bench").decoding.lookahead.window == 7
-    assert compose_config(["method=cllm"]).method.lr == 2e-5 and compose_config([]).method.lr == 5e-4
+    assert compose_config(["method=cllm"]).method.lr == 2e-5 and compose_config([]).method.lr == 2e-3
 
 
 def test_methods_share_one_optimizer_config():

@@ -202,6 +202,19 @@ def test_tiny_name_follows_the_architecture():
     assert micro_spec("model.cache_dir=/elsewhere").name_or_path.startswith("/elsewhere/tiny_base-")
 
 
+def test_a_stage_models_seed_builds_another_model(stage_cache):
+    """model.seed of model=tiny_target is the seed of the experiment that builds it: its own seed names the same cache
+    entry as null, another seed another entry (keys only: nothing is built here)."""
+    def stage(*overrides):
+        target = find_stages(compose_config(["model=tiny_target", *overrides]).model)[-1]
+        return target.output.name, target.config.seed
+
+    own = compose_config(["+experiment=tiny_target"]).seed
+    assert stage() == stage(f"model.seed={own}") == (stage()[0], own)
+    other, seed = stage(f"model.seed={own + 1}")
+    assert seed == own + 1 and other != stage()[0] and other.startswith("tiny_target-")
+
+
 def test_spec_round_trips_through_a_dict(llama_dir):
     specs = [micro_spec("model.dtype=bfloat16", "model.gradient_checkpointing=true"),
              HFModelSpec(name_or_path=str(llama_dir), dtype="float16", attn_implementation=None, revision="main"),

@@ -13,7 +13,12 @@ from lit_spec.models.spec import HFModelSpec
 
 @dataclass
 class StageModelSpec(HFModelSpec):
-    """Args: stage: the experiment (``conf/experiment/<stage>.yaml``) that trains and exports the model."""
+    """Args:
+        stage: the experiment (``conf/experiment/<stage>.yaml``) that trains and exports the model.
+        seed: null builds it with that experiment's own seed; another seed builds another model (another cache entry),
+            e.g. to check that a result does not hang on one draw of the tiny target.
+    """
 
     name_or_path: str = ""
     stage: str = "tiny_target"
+    seed: int | None = None
