@@ -144,6 +144,7 @@ def test_a_run_prints_each_line_once_and_ends_with_a_summary_and_a_plot(cli):
     assert len(messages) == len(set(messages)), "a log line printed twice"
     assert "done: train — ARModule on" in printed and "jacobi: τ 1.00 → " in printed
     assert f"files in {root / 'clean'}:" in printed and "speedup.png" in printed and "next:" in printed
+    assert "python -m lit_spec.train -m method.lr=0.0015,0.006  # a sweep" in printed   # the run's 3e-3: half, twice
     assert (root / "clean" / "speedup.png").stat().st_size > 10_000
     assert printed == printed.replace("Total FLOPs", "")
 

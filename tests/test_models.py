@@ -203,14 +203,15 @@ def test_tiny_name_follows_the_architecture():
 
 
 def test_a_stage_models_seed_builds_another_model(stage_cache):
-    """model.seed of model=tiny_target is the seed of the experiment that builds it: its own seed names the same cache
-    entry as null, another seed another entry, and the default's trajectories follow it (keys only: nothing is built)."""
+    """model.seed of model=tiny_target is the initial-weights seed of the model its experiment pretrains: that
+    experiment's own seed names the same cache entry as null, another seed another entry, and the default's
+    trajectories follow it (keys only: nothing is built)."""
     def stage(*overrides):
         target = find_stages(compose_config(["model=tiny_target", *overrides]).model)[-1]
-        return target.output.name, target.config.seed
+        return target.output.name, target.config.model.seed
 
-    own = compose_config(["+experiment=tiny_target"]).seed
-    assert stage() == stage(f"model.seed={own}") == (stage()[0], own)
+    own = compose_config(["+experiment=tiny_target"]).model.seed
+    assert stage() == stage(f"model.seed={own}") == stage("model.seed=null") == (stage()[0], own)
     other, seed = stage(f"model.seed={own + 1}")
     assert seed == own + 1 and other != stage()[0] and other.startswith("tiny_target-")
     assert f"model.seed={own + 1}" in compose_config([f"model.seed={own + 1}"]).data.collect

@@ -8,6 +8,8 @@ import logging
 import warnings
 from pathlib import Path
 
+from lit_spec.config import config_dir
+
 # Raised inside a library, about the library's own code: silenced where they are raised, each with why.
 UNACTIONABLE_WARNINGS = [
     # Lightning's _pytree helper uses an API the installed torch deprecated; nothing here calls it
@@ -102,8 +104,15 @@ def training_summary(cfg, metrics: dict, history: list, prompts: int, seconds: f
     if export and Path(export).exists():
         lines.append(f"  python -m lit_spec.bench model=hf model.name_or_path={export} model.dtype=float32  "
                      "# bench the export")
-    lines.append("  python -m lit_spec.train -m method.lr=1e-4,5e-4 trainer.max_steps=400  # a sweep, one run each")
+    lines.append(f"  python -m lit_spec.train -m {_sweep(cfg)}  # a sweep, one run each")
     return "\n".join(lines)
+
+
+def _sweep(cfg) -> str:
+    """This run's experiment at half and twice its lr."""
+    task, lr = cfg.get("task_name", "train"), float(cfg.method.lr)
+    experiment = f"+experiment={task} " if (config_dir() / "experiment" / f"{task}.yaml").is_file() else ""
+    return f"{experiment}method.lr={lr / 2:g},{lr * 2:g}"
 
 
 def bench_summary(results: dict, out_dir: Path) -> str:

@@ -89,7 +89,7 @@ def tiny_model_stage(node: DictConfig) -> Stage:
 
 
 def experiment_stage(node: DictConfig) -> Stage:
-    seed = [] if node.get("seed") is None else [f"seed={node.seed}"]
+    seed = [] if node.get("seed") is None else [f"model.seed={node.seed}"]
     cfg = compose_config([f"+experiment={node.stage}", f"paths.cache_dir={node.cache_dir}", *seed])
     out = cache_entry(node.cache_dir, f"{node.stage}-{config_hash(OmegaConf.masked_copy(cfg, list(EXPERIMENT_GROUPS)))}")
     runs = out.parent / "runs" / out.name

@@ -15,8 +15,9 @@ from lit_spec.models.spec import HFModelSpec
 class StageModelSpec(HFModelSpec):
     """Args:
         stage: the experiment (``conf/experiment/<stage>.yaml``) that trains and exports the model.
-        seed: null builds it with that experiment's own seed; another seed builds another model (another cache entry),
-            e.g. to check that a result does not hang on one draw of the tiny target.
+        seed: the initial-weights seed of the model that experiment pretrains (its ``model.seed``); null: the
+            experiment's own. Another seed builds another model (another cache entry), e.g. to check that a result
+            does not hang on one draw of the tiny target.
     """
 
     name_or_path: str = ""
