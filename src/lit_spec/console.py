@@ -48,6 +48,11 @@ def tidy_logging() -> None:
         warnings.filterwarnings("ignore", message=message, module=module)
 
 
+def _share(value: float, total: int) -> str:
+    """A share of prompts as a count: 0.75 of 16 -> 12/16."""
+    return f"{round(value * total)}/{total}"
+
+
 def _change(first: dict, last: dict, key: str, show) -> str:
     """``before → after`` of one figure (``after`` alone when there was no measurement before training)."""
     return f"{show(first[key])} → {show(last[key])}" if key in first else show(last[key])
@@ -55,7 +60,6 @@ def _change(first: dict, last: dict, key: str, show) -> str:
 
 def _figures(first: dict, last: dict, prompts: int) -> list[str]:
     """One line per decoder (τ, speedup over AR, exact match, before → after, and a verdict), one for quality."""
-    share = lambda v: f"{round(v * prompts)}/{prompts}"  # noqa: E731
     lines = []
     for key in sorted(k for k in last if k.startswith("speedup/")):
         name = key.split("/", 1)[1]
@@ -64,7 +68,7 @@ def _figures(first: dict, last: dict, prompts: int) -> list[str]:
                    "faster than AR, same output" if exact == 1.0 else "faster than AR")
         lines.append(f"  {name}: τ {_change(first, last, f'mean_accepted/{name}', '{:.2f}'.format)}, speedup "
                      f"{_change(first, last, key, '{:.2f}×'.format)}, exact "
-                     f"{_change(first, last, f'exact_match/{name}', share)}: {verdict}")
+                     f"{_change(first, last, f'exact_match/{name}', lambda v: _share(v, prompts))}: {verdict}")
     quality = sorted(k for k in last if k.startswith("quality/") and k.count("/") == 1)
     if quality:
         lines.append("  quality: " + ", ".join(f"{k.split('/', 1)[1]} {_change(first, last, k, '{:.2f}'.format)}"
@@ -123,11 +127,11 @@ def bench_summary(results: dict, out_dir: Path) -> str:
              f"({results['dtype']})"]
     if ours:
         name, best = max(ours.items(), key=lambda item: item[1]["speedup"] or 0)
-        exact, prompts = best.get("exact_match"), results["num_prompts"]
+        exact = best.get("exact_match")
         lines.append(f"fastest of ours: {name}, {best['speedup']:.2f}× our AR"
                      + (f", {best['speedup_reference']:.2f}× transformers' generate" if best.get("speedup_reference")
                         else "")
-                     + ("" if exact is None else f", exact on {round(exact * prompts)}/{prompts} prompts"))
+                     + ("" if exact is None else f", exact on {_share(exact, results['num_prompts'])} prompts"))
     lines.append(f"files in {out_dir}: bench.md (the table), bench.json, bench.png")
     return "\n".join(lines)
 
