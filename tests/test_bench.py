@@ -4,6 +4,7 @@ are written, and our greedy AR agrees with transformers' own greedy generate on 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +54,7 @@ def test_bench_runs_every_runner_and_writes_its_report(micro_dirs, tmp_path):
     quality = results["quality"]
     assert set(quality) == {"repetitive", "mean_new_tokens"} and "greedy answers: repetitive" in table
     assert quality["mean_new_tokens"] == methods["ar"]["new_tokens"] / results["num_prompts"]
+    assert "drift" not in results and "drift from" not in table      # no original model: no drift section
 
 
 def test_bench_runs_in_the_model_configs_dtype(micro_dirs, tmp_path, monkeypatch):
@@ -119,3 +121,55 @@ def test_bench_rejects_bad_settings_before_decoding(micro_dirs, tmp_path):
     with pytest.raises(ConfigError, match="needs a draft model"):
         run_benchmark(bench_config(tmp_path, target, None, "+decoding.spec.method=ar",
                                    "+decoding.spec.needs_draft=true", "bench.hf_peers=[]"), tmp_path)
+
+
+def original_overrides(path) -> list[str]:
+    return ["model@original=hf", f"original.name_or_path={path}", "original.dtype=float32"]
+
+
+@pytest.mark.usefixtures("one_thread")    # HumanEval's 164 forwards: slow on 2 threads of a busy machine
+def test_bench_reports_drift_from_the_original_model(micro_dirs, tmp_path):
+    """model@original=NAME: every answer set's NLL under both models and the original's greedy answers; the target
+    against itself has changed by exactly nothing."""
+    target, draft = micro_dirs
+    results = run_benchmark(bench_config(tmp_path, target, None, "bench.hf_peers=[]", *original_overrides(target)),
+                            tmp_path)
+    drift = results["drift"]
+    assert drift["original"] == target and set(drift["nll"]) == {"heldout", "humaneval"}   # drift_data's default
+    assert drift["nll"]["heldout"]["records"] == 3 and drift["nll"]["humaneval"]["records"] > 100
+    for m in drift["nll"].values():
+        assert m["change"] == 0.0 and m["original"] == m["trained"] > 0
+    assert drift["answers"] == {"agreement": 1.0, "token_agreement": 1.0, "first_divergence": None}
+    assert json.loads((tmp_path / "bench.json").read_text())["drift"] == drift
+    table = (tmp_path / "bench.md").read_text()
+    assert f"drift from the original model `{target}`" in table and "| humaneval |" in table
+    assert "| heldout | 3 |" in table and "+0.0000 |" in table and "share unchanged 1.000 (of 3 prompts)" in table
+
+    # another model as the original (same tokenizer, other weights): its NLLs differ, trained − original
+    results = run_benchmark(bench_config(tmp_path / "other", target, None, "bench.hf_peers=[]", "bench.drift_data=null",
+                                         *original_overrides(draft)), tmp_path / "other")
+    (name, m), = results["drift"]["nll"].items()
+    assert name == "heldout" and m["original"] != m["trained"] and m["change"] == m["trained"] - m["original"]
+    answers = results["drift"]["answers"]    # untrained micro models may well answer alike
+    assert (answers["agreement"] < 1.0) == (answers["first_divergence"] is not None)
+
+
+def test_bench_refuses_an_original_of_another_vocabulary(micro_dirs, tmp_path):
+    import shutil
+
+    from random_models import random_model
+
+    target, _ = micro_dirs
+    other = tmp_path / "other_vocab"
+    random_model("llama", vocab=1024).save_pretrained(other)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):   # the target's tokenizer
+        if (Path(target) / name).is_file():
+            shutil.copy(Path(target) / name, other / name)
+    with pytest.raises(ConfigError, match=r"original vocabulary \(1024\) differs from the target's \(512\)"):
+        run_benchmark(bench_config(tmp_path, target, None, *original_overrides(other)), tmp_path)
+    assert not (tmp_path / "bench.json").exists()
+    with pytest.raises(ConfigError, match="original='tiny_target': the original model is a model config"):
+        run_benchmark(bench_config(tmp_path, target, None, "original=tiny_target"), tmp_path)
+    with pytest.raises(ConfigError, match="bench.drift_data.code='humaneal': no data config of that name"):
+        run_benchmark(bench_config(tmp_path, target, None, *original_overrides(target),
+                                   "+bench.drift_data.code=humaneal"), tmp_path)

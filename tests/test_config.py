@@ -23,7 +23,8 @@ PRIMARY = {"decoding": "bench"}
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in {"hydra", "experiment"})
 # configs that deliberately leave a value to the user (model=hf: name_or_path; decoding=chimera/medusa/
 # hidden_transfer: the trained heads or maps)
-MANDATORY = {("model", "hf"): {"model.name_or_path"}, ("decoding", "chimera"): {"decoding.chimera.heads"},
+MANDATORY = {("model", "hf"): {"model.name_or_path"}, ("model", "stage_export"): {"model.stage"},
+             ("decoding", "chimera"): {"decoding.chimera.heads"},
              ("decoding", "medusa"): {"decoding.medusa.heads"},
              ("decoding", "hidden_transfer"): {"decoding.hidden_transfer.transfer"}}
 # hydra.utils helpers whose `path` names a second thing to import

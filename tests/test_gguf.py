@@ -153,7 +153,8 @@ def test_smollm2_decoders_equal_transformers_greedy_generate(smollm2):
     prompts = humaneval_prompts(tok, ["HumanEval/0", "HumanEval/35"])
     for heads in (medusa, chimera):      # token counts for draft_vocab (FR-Spec): the prompts' tokens
         heads.count_tokens(torch.cat([ids[0] for ids in prompts]))
-    methods = [("ar", {}), ("jacobi", {"n_tokens": 8}), ("lookahead", {"window": 4, "ngram": 3, "guesses": 4}),
+    methods = [("ar", {}), ("jacobi", {"n_tokens": 8}), ("multiblock", {"n_tokens": 8, "blocks": 2, "spawn_ratio": 0.5}),
+               ("lookahead", {"window": 4, "ngram": 3, "guesses": 4}),
                ("prompt_lookup", {}), ("speculative", {"draft_model": draft, "gamma": 4}),
                ("ouroboros", {"draft_model": draft, "gamma": 4, "window": 3, "ngram": 3}),
                ("tree", {"draft_model": draft, "tree": [2, 2, 1]}), ("medusa", {"heads": medusa, "tree": [2, 1]}),

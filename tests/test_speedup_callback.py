@@ -13,6 +13,7 @@ from conftest import MICRO_RUN, make_config
 from lit_spec.callbacks import SpeedupCallback
 from lit_spec.data.metrics import METRICS, exact_match, gsm8k_answer, token_f1
 from lit_spec.decoding.jacobi import JacobiDecoder
+from lit_spec.drift import answer_nll
 from lit_spec.errors import ConfigError
 from lit_spec.methods import ARModule
 from lit_spec.training import run_training
@@ -28,11 +29,13 @@ class JacobiAR(ARModule):
 
 
 class Grab(L.Callback):
-    """Keeps the run's SpeedupCallback and whether the module was in train mode at every training step."""
+    """Keeps the run's SpeedupCallback, whether the module was in train mode at every training step, and the answer
+    sets' NLL under the trained model."""
 
     found: SpeedupCallback | None = None
     modes: list[bool] = []
     callback_metrics: set[str] = set()
+    final_nll: dict[str, float] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         Grab.modes.append(pl_module.model.training)
@@ -40,6 +43,8 @@ class Grab(L.Callback):
     def on_fit_end(self, trainer, pl_module):
         Grab.found = next(c for c in trainer.callbacks if isinstance(c, SpeedupCallback))
         Grab.callback_metrics = set(trainer.callback_metrics)
+        Grab.final_nll = {name: answer_nll(pl_module.model, records, pl_module.device)
+                          for name, records in Grab.found.answer_sets.items()}
 
 
 def _run(output_dir: Path, *overrides: str) -> SpeedupCallback:
@@ -56,7 +61,7 @@ def _csv_rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, one_thread):   # one thread: HumanEval's NLL is slow on 2 threads of a busy machine
     """8 steps, validation every 4: measured at train start and after both validations."""
     run = tmp_path_factory.mktemp("speedup") / "run"
     callback = _run(run, "method._target_=test_speedup_callback.JacobiAR", "data.metric=exact_match",
@@ -82,13 +87,42 @@ def test_metrics_at_train_start_and_after_each_validation(trained):
     assert first["quality/exact_match/jacobi"] == first["quality/exact_match"]   # lossless: the same answers
     assert callback.last_metrics == callback.history[-1][1]
 
+    # drift: the answer NLL of the held-out records and of HumanEval (drift_data's default), against the original
+    assert len(callback.answer_sets["humaneval"]) > 100 and callback.answer_sets["heldout"] == callback.records
+    assert first["drift/nll_change/heldout"] == 0.0 and first["drift/nll_change/humaneval"] == 0.0
+    assert callback.reference["nll"] == {"heldout": first["drift/nll/heldout"],
+                                         "humaneval": first["drift/nll/humaneval"]}
+    last = callback.history[-1][1]
+    for name in ("heldout", "humaneval"):
+        assert last[f"drift/nll/{name}"] == pytest.approx(Grab.final_nll[name])   # the trained model's, measured
+        assert last[f"drift/nll_change/{name}"] == pytest.approx(last[f"drift/nll/{name}"]
+                                                                 - first[f"drift/nll/{name}"])
+    assert last["drift/nll_change/heldout"] < 0, "trained on the same kind of code, its held-out answers got likelier"
+    for _, m in callback.history:   # the first divergence is logged once a greedy output changed
+        assert ("quality/first_divergence" in m) == (m["quality/agreement"] < 1.0)
+        if "quality/first_divergence" in m:
+            assert 0 <= m["quality/first_divergence"] < 8     # max_new_tokens
+
     # written to the CSV logger: at train start (no pl_module.log there) and after each validation
     rows = [r for r in _csv_rows(run) if "speedup/jacobi" in r]
     assert len(rows) == 3 and rows[0]["step"] == 0
     assert rows[0]["quality/agreement"] == 1.0 and rows[-1]["exact_match/jacobi"] == 1.0
+    assert rows[0]["drift/nll_change/humaneval"] == 0.0
+    assert rows[-1]["drift/nll/heldout"] == pytest.approx(last["drift/nll/heldout"])   # float32 in the CSV
     # pl_module.log made them callback metrics: a checkpoint can monitor speedup/jacobi
     assert {"speedup/jacobi", "quality/agreement"} <= Grab.callback_metrics
     assert len(list((run / "checkpoints").glob("step*.ckpt"))) == 1  # the best by speedup/jacobi (timing-dependent)
+
+
+def test_summary_shows_the_answer_nll_drift(trained):
+    from lit_spec.console import _figures
+
+    _, callback = trained
+    (_, first), (_, last) = callback.history[0], callback.history[-1]
+    lines = _figures(first, last, prompts=2)
+    (drift,) = [line for line in lines if line.startswith("  answer NLL: ")]
+    original, now = callback.reference["nll"]["humaneval"], last["drift/nll/humaneval"]
+    assert f"humaneval {original:.3f} → {now:.3f} ({now - original:+.3f})" in drift and "heldout " in drift
 
 
 def test_state_round_trip_keeps_the_original_outputs(trained, tmp_path):
@@ -98,8 +132,10 @@ def test_state_round_trip_keeps_the_original_outputs(trained, tmp_path):
     restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))  # as checkpoints are loaded
     assert restored.reference == callback.reference and restored.history == callback.history
     assert len(callback.reference["outputs"]) == 2 and all(callback.reference["outputs"])
+    assert set(restored.reference["nll"]) == {"heldout", "humaneval"}      # the original model's answer NLLs
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_resumed_run_compares_with_the_original_model(trained, tmp_path):
     run, first = trained
     last = run / "checkpoints" / "last.ckpt"
@@ -116,6 +152,22 @@ def test_resumed_run_compares_with_the_original_model(trained, tmp_path):
     measured = [step for i, step in enumerate([10, 12, 14]) if (saved["validations"] + i + 1) % 2 == 0]
     assert [s for s, _ in resumed.history] == [s for s, _ in saved["history"]] + measured
     assert resumed.last_metrics["exact_match/jacobi"] == 1.0 and "quality/agreement" in resumed.last_metrics
+    original = first.reference["nll"]["humaneval"]      # measured before the first run's first step
+    assert resumed.last_metrics["drift/nll_change/humaneval"] == pytest.approx(
+        resumed.last_metrics["drift/nll/humaneval"] - original)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_original_nll_is_measured_before_the_first_step_without_a_measurement_there(tmp_path):
+    """at_train_start=false still takes the original's outputs and NLL before the first step; drift_data=null: the
+    held-out answers only."""
+    callback = _run(tmp_path / "run", "callbacks.speedup.at_train_start=false", "callbacks.speedup.drift_data=null")
+    assert [step for step, _ in callback.history] == [4, 8] and set(callback.reference["nll"]) == {"heldout"}
+    last = callback.history[-1][1]
+    assert {k for k in last if k.startswith("drift/")} == {"drift/nll/heldout", "drift/nll_change/heldout"}
+    assert last["drift/nll_change/heldout"] == pytest.approx(last["drift/nll/heldout"]
+                                                             - callback.reference["nll"]["heldout"])
+    assert last["drift/nll_change/heldout"] < 0
 
 
 def test_unknown_extra_decoder_fails_before_training(tmp_path):
@@ -126,6 +178,11 @@ def test_unknown_extra_decoder_fails_before_training(tmp_path):
     cfg = make_config(tmp_path / "run2", [*MICRO_RUN, *SPEEDUP, "callbacks.speedup.num_prompts=0"])
     with pytest.raises(ConfigError, match="num_prompts=0"):
         run_training(cfg)
+    cfg = make_config(tmp_path / "run3", [*MICRO_RUN, *SPEEDUP, "+callbacks.speedup.drift_data.code=humaneal"])
+    with pytest.raises(ConfigError, match="callbacks.speedup.drift_data.code='humaneal': no data config of that "
+                                          "name; choose one of .*'humaneval'"):
+        run_training(cfg)
+    assert not (tmp_path / "run3" / "export").exists()
 
 
 def test_unknown_data_metric_is_a_config_error(tmp_path):

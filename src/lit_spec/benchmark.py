@@ -2,7 +2,10 @@
 chosen methods and transformers' own ``generate`` peers, with warm-up; tokens/s, speedup vs our AR, τ, forwards and
 exact match (token-identical to our greedy AR) per method, written as bench.json, bench.md and bench.png. At
 ``bench.temperature`` > 0 every runner samples at that temperature (our AR and transformers' peers included, so
-tokens/s compare like with like) and exact match is not reported."""
+tokens/s compare like with like) and exact match is not reported. With ``model@original=NAME`` (the model the
+benchmarked one was trained from) a drift section (``lit_spec.drift``) says how far training moved it: the answer NLL
+of the bench prompts' dataset answers and of the ``bench.drift_data`` sets under both models, and how many of the
+original's greedy answers on the bench prompts are unchanged."""
 
 from __future__ import annotations
 
@@ -14,10 +17,11 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from lit_spec.config import build
-from lit_spec.data.datamodule import record_of
+from lit_spec.data.datamodule import split_records
 from lit_spec.data.execution import describe_isolation
 from lit_spec.data.metrics import EXECUTION_METRICS, get_metric, score_answers
 from lit_spec.data.repetition import RepetitionFilter
+from lit_spec.drift import HELDOUT, check_drift_data, compare_answers, compare_nll, drift_records
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json
 from lit_spec.measure import HFPeer, build_decoders, compare, decode_prompts, warm_up
@@ -41,21 +45,35 @@ def _load(spec_cfg: DictConfig, device: torch.device):
     return spec, model
 
 
+# the model configs loaded beside the benchmarked one (package -> an example of model@PACKAGE=NAME)
+COMPANIONS = {"draft": "tiny_draft", "original": "tiny_target"}
+
+
+def _load_companion(cfg: DictConfig, key: str, model, device: torch.device):
+    """The model config in package ``key`` (``COMPANIONS``) loaded, or None when unset. It must share the target's
+    vocabulary: its token ids are read as the target's."""
+    if cfg.get(key) is None:
+        return None
+    _, other = _load(cfg[key], device)
+    if other.config.vocab_size != model.config.vocab_size:
+        raise ConfigError(f"{key} vocabulary ({other.config.vocab_size}) differs from the target's "
+                          f"({model.config.vocab_size}): the {key} model must share the target's tokenizer; choose "
+                          f"another with model@{key}=NAME")
+    if key == "original" and other.dtype != model.dtype:
+        log.warning("original model in %s, the benchmarked one in %s: the drift section's NLL change includes the "
+                    "rounding (original.dtype=... sets it)", other.dtype, model.dtype)
+    return other
+
+
 def load_records(cfg: DictConfig, tokenizer) -> list[dict]:
     """The first ``bench.num_prompts`` records of ``bench.split`` of the ``data`` config: ``prompt_ids``, the
     dataset's ``answer_ids`` and, when the data config keeps one, the ``problem`` an execution metric runs."""
-    datamodule = build(cfg.data, tokenizer=tokenizer)
-    datamodule.setup("test")
-    if cfg.bench.split not in datamodule.splits:
-        raise ConfigError(f"bench.split={cfg.bench.split}: the data has no such split; choose one of "
-                          f"{sorted(datamodule.splits)}")
-    split = datamodule.splits[cfg.bench.split]
-    if len(split) == 0:
-        raise ConfigError(f"bench.split={cfg.bench.split}: that split of the data is empty")
-    if cfg.bench.num_prompts > len(split):
+    asked = cfg.bench.num_prompts
+    records = split_records(build(cfg.data, tokenizer=tokenizer), cfg.bench.split, asked, "bench.split")
+    if asked > len(records):
         log.warning("bench.num_prompts=%d, but the %s split has %d records: benchmarking %d prompts",
-                    cfg.bench.num_prompts, cfg.bench.split, len(split), len(split))
-    return [record_of(split[i]) for i in range(min(cfg.bench.num_prompts, len(split)))]
+                    asked, cfg.bench.split, len(records), len(records))
+    return records
 
 
 def chosen_decoders(decoding: DictConfig | None) -> dict[str, dict]:
@@ -83,12 +101,15 @@ def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
     return runners
 
 
-def check_bench(cfg: DictConfig) -> None:
-    """The bench's own settings, before any stage, model or decode."""
-    bench, draft = cfg.bench, cfg.get("draft")
-    if draft is not None and not isinstance(draft, DictConfig):
-        raise ConfigError(f"draft={draft!r}: the draft model is a model config, chosen with model@draft=NAME (e.g. "
-                          "model@draft=tiny_draft), or draft=null for none")
+def check_bench(cfg: DictConfig) -> dict[str, str]:
+    """The bench's own settings, before any stage, model or decode; returns the drift sets to read (``{set name:
+    data config name}``, none without an original model)."""
+    bench = cfg.bench
+    for key, example in COMPANIONS.items():
+        value = cfg.get(key)
+        if value is not None and not isinstance(value, DictConfig):
+            raise ConfigError(f"{key}={value!r}: the {key} model is a model config, chosen with model@{key}=NAME "
+                              f"(e.g. model@{key}={example}), or {key}=null for none")
     check_count("bench.num_prompts", bench.num_prompts)
     check_count("bench.max_new_tokens", bench.max_new_tokens)
     check_count("bench.warmup_prompts", bench.warmup_prompts, minimum=0)
@@ -99,23 +120,21 @@ def check_bench(cfg: DictConfig) -> None:
         raise ConfigError(f"bench.device={bench.device!r}: choose auto, cpu or cuda")
     if bench.get("metric") is not None:
         get_metric(bench.metric)  # an unknown name fails here
+    return {} if cfg.get("original") is None else check_drift_data(bench.get("drift_data"), "bench.drift_data")
 
 
 def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
-    check_bench(cfg)
+    drift_data = check_bench(cfg)
     build(cfg.data)   # its settings are checked as it is built; without a tokenizer it reads nothing
     ensure_stages(cfg)  # the target's and the draft's stages: cached, or built now
     torch.manual_seed(cfg.seed)
     device = _device(cfg.bench.device)
     spec, model = _load(cfg.model, device)
     tokenizer = spec.load_tokenizer()
-    draft = None
-    if cfg.get("draft") is not None:
-        _, draft = _load(cfg.draft, device)
-        if draft.config.vocab_size != model.config.vocab_size:
-            raise ConfigError(f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
-                              f"({model.config.vocab_size}): pick a draft that shares the target's tokenizer")
+    draft, original = (_load_companion(cfg, key, model, device) for key in COMPANIONS)
     records = load_records(cfg, tokenizer)
+    # read before any decode, so that their errors come first
+    answer_sets = {HELDOUT: records} | {name: drift_records(data, tokenizer) for name, data in drift_data.items()}
     prompts = [torch.tensor([r["prompt_ids"]], device=device) for r in records]
     eos, max_new = tokenizer.eos_token_id, cfg.bench.max_new_tokens
     runners = build_runners(cfg, model, draft, tokenizer)
@@ -140,6 +159,9 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     if metric in EXECUTION_METRICS:        # what protected this machine from the answers it ran
         results["execution_isolation"] = describe_isolation()
     results["quality"] = answer_quality(runs["ar"].outputs, records, tokenizer, metric)
+    if original is not None:
+        results["drift"] = drift_report(cfg, original, model, answer_sets, prompts, runs["ar"].outputs, tokenizer)
+        log.info("drift from the original model:\n%s", drift_markdown(results))
     write_report(results, out_dir)
     return results
 
@@ -186,6 +208,36 @@ def markdown_table(results: dict) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+def drift_report(cfg: DictConfig, original, model, answer_sets: dict[str, list[dict]], prompts: list[torch.Tensor],
+                 outputs: list[list[int]], tokenizer) -> dict:
+    """How far training moved ``model`` from ``original``: every answer set's NLL under both (``nll``) and, greedy
+    only (sampled answers differ by chance), the original's greedy AR answers on the bench prompts against the
+    model's AR ``outputs`` (``answers``: ``compare_answers``; None at a temperature)."""
+    report = {"original": str(cfg.original.name_or_path), "answers": None,
+              "nll": compare_nll(original, model, answer_sets, prompts[0].device)}
+    if not cfg.bench.temperature:
+        ar = build_decoders(original, {"ar": {}}, pad_token_id=tokenizer.pad_token_id)
+        originals = decode_prompts(ar, prompts, cfg.bench.max_new_tokens, tokenizer.eos_token_id)["ar"].outputs
+        report["answers"] = compare_answers(outputs, originals)
+    return report
+
+
+def drift_markdown(results: dict) -> str:
+    """The drift section of bench.md: one row per answer set, then the greedy answers' line."""
+    drift = results["drift"]
+    rows = [f"| {name} | {m['records']} | {m['original']:.4f} | {m['trained']:.4f} | {m['change']:+.4f} |"
+            for name, m in drift["nll"].items()]
+    answers = drift["answers"]
+    greedy = ("not compared (sampled answers differ by chance)" if answers is None else
+              f"share unchanged {answers['agreement']:.3f} (of {results['num_prompts']} prompts), token agreement "
+              f"{answers['token_agreement']:.3f}" + ("" if answers["first_divergence"] is None else
+                                                      f", first divergence after {answers['first_divergence']:.1f} "
+                                                      "tokens (mean over the changed answers)"))
+    return (f"drift from the original model `{drift['original']}` (mean NLL per answer token; {HELDOUT}: the bench "
+            "prompts' dataset answers)\n\n| answers | records | NLL original | NLL trained | change |\n"
+            + "|---|---|---|---|---|\n" + "\n".join(rows) + f"\n\ngreedy AR answers against the original's: {greedy}\n")
+
+
 def write_report(results: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "bench.json", results)
@@ -200,7 +252,8 @@ def write_report(results: dict, out_dir: Path) -> None:
         + markdown_table(results) + ("\nsampled AR answers: " if results["temperature"] else "\ngreedy answers: ")
         + ", ".join(f"{k} {v:.3f}" for k, v in results["quality"].items()) + "\n"
         + (f"\nanswers executed with isolation: {results['execution_isolation']}\n"
-           if results.get("execution_isolation") else ""))
+           if results.get("execution_isolation") else "")
+        + (f"\n{drift_markdown(results)}" if results.get("drift") else ""))
     import matplotlib
 
     matplotlib.use("Agg")

@@ -59,7 +59,8 @@ def _change(first: dict, last: dict, key: str, show) -> str:
 
 
 def _figures(first: dict, last: dict, prompts: int) -> list[str]:
-    """One line per decoder (τ, speedup over AR, exact match, before → after, and a verdict), one for quality."""
+    """One line per decoder (τ, speedup over AR, exact match, before → after, and a verdict), one for quality, one
+    for the answer NLL's drift."""
     lines = []
     for key in sorted(k for k in last if k.startswith("speedup/")):
         name = key.split("/", 1)[1]
@@ -73,7 +74,16 @@ def _figures(first: dict, last: dict, prompts: int) -> list[str]:
     if quality:
         lines.append("  quality: " + ", ".join(f"{k.split('/', 1)[1]} {_change(first, last, k, '{:.2f}'.format)}"
                                                for k in quality))
+    drift = sorted(k.removeprefix("drift/nll/") for k in last if k.startswith("drift/nll/"))
+    if drift:
+        lines.append("  answer NLL: " + ", ".join(_nll_drift(last, name) for name in drift))
     return lines
+
+
+def _nll_drift(last: dict, name: str) -> str:
+    """``original → now (change)`` of one answer set's NLL (``now`` alone when the original was not measured)."""
+    now, change = last[f"drift/nll/{name}"], last.get(f"drift/nll_change/{name}")
+    return f"{name} {now:.3f}" if change is None else f"{name} {now - change:.3f} → {now:.3f} ({change:+.3f})"
 
 
 def _duration(seconds: float) -> str:
@@ -96,7 +106,7 @@ def training_summary(cfg, metrics: dict, history: list, prompts: int, seconds: f
     files = [(cfg.get("export_dir"), "the trained model (save_pretrained)"),
              (run / "checkpoints", "last.ckpt and the best by val/loss (resume: ckpt_path=.../last.ckpt)"),
              (run / "csv" / "metrics.csv", "every logged figure"),
-             (run / "speedup.png", "τ, speedup and quality over the steps"),
+             (run / "speedup.png", "τ, speedup, quality and answer-NLL drift over the steps"),
              (run / "metrics.json", "the final figures")]
     lines.append(f"files in {run}:")
     for path, why in files:

@@ -9,6 +9,7 @@ A *runner* is anything with ``generate(ids, max_new_tokens, eos_token_id) -> Dec
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -111,6 +112,19 @@ def decode_prompts(runners: dict, prompts: list[torch.Tensor], max_new_tokens: i
             if on_decode is not None:
                 on_decode(name, out.stats)
     return runs
+
+
+@contextmanager
+def eval_mode(module: torch.nn.Module):
+    """Inside, ``module`` is in eval mode (no dropout); after, every submodule is back in its own mode (a frozen base
+    stays in eval mode inside a training module, so ``module.train()`` would not restore it)."""
+    modes = {m: m.training for m in module.modules()}
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, training in modes.items():
+            m.training = training
 
 
 def mean(values) -> float:

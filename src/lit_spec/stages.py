@@ -16,8 +16,8 @@ options left out):
 - ``gguf`` (any model config with ``gguf_file``, e.g. ``model=smollm2_135m_instruct``): the GGUF de-quantised once
   by transformers into a ``save_pretrained`` directory in the config's dtype; keyed by the file's sha256 (a hub file:
   by id, file and revision) and the dtype.
-- ``trajectories`` (``data=trajectories`` with ``data.path`` null): Jacobi trajectories collected by
-  ``run_collection`` with ``conf/collect.yaml`` + ``data.collect``; keyed by its model, data, collect and seed
+- ``trajectories`` (``data=trajectories`` or ``noisy_trajectories`` with ``data.path`` null): Jacobi trajectories
+  collected by ``run_collection`` with ``conf/collect.yaml`` + ``data.collect``; keyed by its model, data, collect and seed
   (processes and strategy do not change the output); resumable.
 - ``answers`` (``data=self_distilled`` with ``data.path`` null): the target's own greedy answers, the same collection
   with ``collect.decoder=ar`` (answers only), keyed and resumable the same way.
@@ -44,7 +44,7 @@ from lit_spec.config import build, cache_entry, compose_config, config_dir, conf
 from lit_spec.data.trajectories import META, read_meta
 from lit_spec.data.base_states import FILE as BASE_STATES_FILE, BaseStates, build_base_states
 from lit_spec.data.self_distilled import SelfDistilledDataModule
-from lit_spec.data.trajectory_data import TrajectoryDataModule
+from lit_spec.data.trajectory_data import JacobiTrajectories
 from lit_spec.errors import ConfigError, one_line_errors
 from lit_spec.io import check_writable, file_sha256, one_writer, set_aside
 from lit_spec.models import HFModelSpec, StageModelSpec, TinyModelSpec
@@ -145,9 +145,9 @@ def gguf_stage(node: DictConfig) -> Stage:
 
 KINDS: dict[type, Callable[[DictConfig], Stage]] = {
     TinyModelSpec: tiny_model_stage, StageModelSpec: experiment_stage, HFModelSpec: gguf_stage,
-    TrajectoryDataModule: partial(collection_stage, "trajectories"),
+    JacobiTrajectories: partial(collection_stage, "trajectories"),
     SelfDistilledDataModule: partial(collection_stage, "answers"), BaseStates: base_states_stage}
-OUTPUT_KEY = {TrajectoryDataModule: "path", SelfDistilledDataModule: "path", BaseStates: "path"}  # models: name_or_path
+OUTPUT_KEY = {JacobiTrajectories: "path", SelfDistilledDataModule: "path", BaseStates: "path"}  # models: name_or_path
 
 
 def newest_checkpoint(run_dir: Path) -> Path | None:

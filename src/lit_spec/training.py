@@ -198,12 +198,10 @@ def check_method_data(cfg: DictConfig) -> None:
 
 
 def check_block_size(method: DictConfig, datamodule) -> None:
-    """CLLM trains and decodes with the block size its trajectories were collected with."""
-    collected = getattr(datamodule, "n_tokens", None)
-    if collected is not None and method.get("n_tokens") is not None and method.n_tokens != collected:
-        raise ConfigError(f"method.n_tokens={method.n_tokens}, but the trajectories at {datamodule.path} were "
-                          f"collected with n={collected}: set method.n_tokens={collected}, or collect with "
-                          f"n={method.n_tokens} (data.path=null collects with method.n_tokens)")
+    """The method's block size fits the trajectories (CLLM: the collected one; Jacobi Forcing: a divisor of it)."""
+    check = getattr(datamodule, "check_block_size", None)
+    if check is not None and method.get("n_tokens") is not None:
+        check(method.n_tokens)
 
 
 def resume_hint(cfg: DictConfig) -> str:

@@ -7,10 +7,16 @@ output is token-identical to the current greedy AR output: the lossless check) a
 ``fast_forward/NAME`` / ``stationary/NAME`` (Jacobi's CLLM Table 3 counts); plus ``tokens_per_s/ar``.
 
 Quality: ``quality/agreement`` (share of prompts whose greedy AR output still equals the original model's, decoded
-before the first training step and kept in the callback's state, so a resumed run compares with the original) and
-``quality/token_agreement`` (mean common-prefix length / original length); ``quality/<metric>`` when the datamodule
-names a task metric (``data.metric``), scoring the AR outputs against the dataset's answers (or by execution:
-``pass_at_1``), and ``quality/<metric>/NAME`` for every other decoder's outputs.
+before the first training step and kept in the callback's state, so a resumed run compares with the original),
+``quality/token_agreement`` (mean common-prefix length / original length) and ``quality/first_divergence`` (over the
+changed outputs, the mean number of tokens still equal before the first differing one; logged once one changed);
+``quality/<metric>`` when the datamodule names a task metric (``data.metric``), scoring the AR outputs against the
+dataset's answers (or by execution: ``pass_at_1``), and ``quality/<metric>/NAME`` for every other decoder's outputs.
+
+Drift (``lit_spec.drift``), finer than any greedy output: ``drift/nll/heldout``, the mean NLL per token of the decoded
+records' dataset answers, ``drift/nll/SET`` for every ``drift_data`` set (all records of a data config's evaluation
+split, e.g. HumanEval's 164), and ``drift/nll_change/SET`` (trained − original, the original's values measured before
+the first step and kept in the state with the original outputs).
 
 Design: the callback asks the method module for its decoders (``MethodModule.decoders()``), so a method that trains
 for a decoder (CLLM: Jacobi; Chimera, Hidden Transfer: their tree decoders) plugs in without changing this file;
@@ -32,33 +38,37 @@ from omegaconf import DictConfig, OmegaConf
 from lit_spec.data.execution import describe_isolation
 from lit_spec.data.metrics import EXECUTION_METRICS, score_answers
 from lit_spec.decoding import DECODERS, Decoder
-from lit_spec.decoding.verify import greedy_accept_length
+from lit_spec.drift import HELDOUT, answer_nll, check_drift_data, compare_answers, drift_records
 from lit_spec.errors import ConfigError
-from lit_spec.measure import EXTRAS, Run, build_decoders, compare, decode_prompts, mean
+from lit_spec.measure import EXTRAS, Run, build_decoders, compare, decode_prompts, eval_mode
 from lit_spec.strategies import whole_parameters
 
 log = logging.getLogger(__name__)
 
 PLOT = "speedup.png"     # in the run directory, beside csv/metrics.csv
+UNPLOTTED = {"quality/first_divergence"}   # tokens, off the scale of the quality panel's shares
 
 
 def plot_history(history: list[tuple[int, dict[str, float]]], path: Path) -> None:
-    """τ, speedup over AR and quality of every measurement, against the training step (written after each one)."""
+    """τ, speedup over AR, quality and answer-NLL drift of every measurement, against the training step (written
+    after each one)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [step for step, _ in history]
-    panels = [("mean_accepted/", "τ (tokens per forward)"), ("speedup/", "speedup over AR (tokens/s)"),
-              ("quality/", "quality")]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, (prefix, title) in zip(axes, panels):
-        names = sorted({k for _, m in history for k in m if k.startswith(prefix) and k.count("/") == 1})
+    panels = [("mean_accepted/", "τ (tokens per forward)", None), ("speedup/", "speedup over AR (tokens/s)", 1.0),
+              ("quality/", "quality", None), ("drift/nll_change/", "answer NLL − original's", 0.0)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(17, 3.6))
+    for ax, (prefix, title, level) in zip(axes, panels):
+        # one level under the prefix: quality/agreement, not quality/exact_match/jacobi
+        names = sorted({k for _, m in history for k in m
+                        if k.startswith(prefix) and "/" not in k[len(prefix):] and k not in UNPLOTTED})
         for name in names:
-            ax.plot(steps, [m.get(name, float("nan")) for _, m in history], marker="o", label=name.split("/", 1)[1])
-        if prefix == "speedup/":
-            ax.axhline(1.0, color="k", lw=0.8)
+            ax.plot(steps, [m.get(name, float("nan")) for _, m in history], marker="o", label=name[len(prefix):])
+        if level is not None:   # no speedup, no change
+            ax.axhline(level, color="k", lw=0.8)
         ax.set_title(title)
         ax.set_xlabel("step")
         if names:
@@ -77,19 +87,25 @@ class SpeedupCallback(L.Callback):
         every_n_validations: measure after every n-th validation run.
         extra_decoders: ``{name: {params}}`` built as ``DECODERS[name](model, **params)``; a ``method`` key in
             params picks the decoder under another name (``{jacobi32: {method: jacobi, n_tokens: 32}}``).
+        drift_data: ``{set name: data config name}``: answer sets whose NLL is logged as ``drift/nll/SET`` (all
+            records of the data config's evaluation split), beside the held-out records' own.
     """
 
     def __init__(self, num_prompts: int = 8, max_new_tokens: int = 64, split: str = "validation",
-                 at_train_start: bool = True, every_n_validations: int = 1, extra_decoders: dict | None = None):
+                 at_train_start: bool = True, every_n_validations: int = 1, extra_decoders: dict | None = None,
+                 drift_data: dict | None = None):
         self.num_prompts, self.max_new_tokens, self.split = num_prompts, max_new_tokens, split
         self.at_train_start, self.every_n_validations = at_train_start, every_n_validations
         if isinstance(extra_decoders, DictConfig):
             extra_decoders = OmegaConf.to_container(extra_decoders, resolve=True)
         self.extra_decoders = {name: dict(params or {}) for name, params in (extra_decoders or {}).items()}
+        self.drift_data = drift_data
         self.records: list[dict] | None = None
+        self.answer_sets: dict[str, list[dict]] = {}    # set name -> records whose answers' NLL is logged
         self.tokenizer = None
         self.decoders: dict[str, Decoder] | None = None
-        self.reference: dict | None = None   # {"prompt_ids", "outputs"}: the original model's greedy AR outputs
+        # the original model's: {"prompt_ids", "outputs" (greedy AR), "nll" ({set name: answer NLL})}
+        self.reference: dict | None = None
         self.validations = 0
         self.last_metrics: dict[str, float] = {}
         self.history: list[tuple[int, dict[str, float]]] = []
@@ -109,6 +125,7 @@ class SpeedupCallback(L.Callback):
             if name == "ar":
                 raise ConfigError("callbacks.speedup.extra_decoders: 'ar' is the baseline, always measured; "
                                   "give the entry another name and `method: ar`")
+        self.drift_data = check_drift_data(self.drift_data, "callbacks.speedup.drift_data")
 
     def _prepare(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """At first use (the model exists only after ``configure_model``): prompts, decoders, one warm-up decode."""
@@ -128,6 +145,10 @@ class SpeedupCallback(L.Callback):
             raise ConfigError(f"callbacks.speedup.extra_decoders.{clash[0]}: the method already offers a decoder "
                               f"named {clash[0]!r}; name the entry otherwise, with `method: {clash[0]}`")
         self.decoders = decoders | build_decoders(pl_module.model, self.extra_decoders)
+        self.answer_sets = {HELDOUT: self.records} | {
+            name: drift_records(data, dm.tokenizer) for name, data in self.drift_data.items()}
+        log.info("speedup callback: answer NLL of %s", ", ".join(f"{n} ({len(r)} records)"
+                                                                for n, r in self.answer_sets.items()))
         if getattr(dm, "metric", None) in EXECUTION_METRICS:
             log.info("speedup callback: %s runs the answers isolated by %s", dm.metric, describe_isolation())
         self._decode({"ar": decoders["ar"]}, self.records[:1], pl_module.device)  # warm-up, untimed
@@ -138,24 +159,24 @@ class SpeedupCallback(L.Callback):
         return decode_prompts(decoders, prompts, self.max_new_tokens, self.tokenizer.eos_token_id)
 
     @torch.no_grad()
-    def _decode_all(self, trainer: L.Trainer, pl_module: L.LightningModule, only_ar: bool = False) -> dict:
-        """Decode the prompts with every decoder, the module in eval mode (each submodule's mode restored after)."""
+    def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                  only_ar: bool = False) -> tuple[dict[str, Run], dict[str, float]]:
+        """Decode the prompts with every decoder (AR only: ``only_ar``) and score every answer set's NLL, the
+        module in eval mode (each submodule's mode restored after)."""
         self.tokenizer = trainer.datamodule.tokenizer
-        modes = {m: m.training for m in pl_module.modules()}
-        pl_module.eval()
-        try:
-            with whole_parameters(pl_module):   # ZeRO-3, FSDP: every rank decodes with the whole model
-                self._prepare(trainer, pl_module)
-                decoders = {"ar": self.decoders["ar"]} if only_ar else self.decoders
-                return self._decode(decoders, self.records, pl_module.device)
-        finally:
-            for m, training in modes.items():
-                m.training = training
+        with eval_mode(pl_module), whole_parameters(pl_module):   # ZeRO-3, FSDP: every rank uses the whole model
+            self._prepare(trainer, pl_module)
+            decoders = {"ar": self.decoders["ar"]} if only_ar else self.decoders
+            runs = self._decode(decoders, self.records, pl_module.device)
+            nll = {name: answer_nll(pl_module.model, records, pl_module.device)
+                   for name, records in self.answer_sets.items()}
+        return runs, nll
 
     def measure(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         """Decode, compute the metrics, keep them in ``last_metrics`` and ``history``; logging is the hooks' job."""
-        runs = self._decode_all(trainer, pl_module)
-        metrics = self._speed(runs) | self._quality(runs, trainer.datamodule)
+        runs, nll = self._evaluate(trainer, pl_module)
+        self._keep_original(runs["ar"].outputs, nll)
+        metrics = self._speed(runs) | self._quality(runs, trainer.datamodule) | self._drift(nll)
         self.last_metrics = metrics
         self.history.append((trainer.global_step, metrics))
         if trainer.is_global_zero:
@@ -171,20 +192,17 @@ class SpeedupCallback(L.Callback):
             f"{key}/{name}": float(m[key] or 0.0) for name, m in compare(runs).items() if name != "ar"
             for key in keys if key in m}
 
-    def _keep_original(self, outputs: list[list[int]]) -> None:
-        """The first outputs decoded: the model as it was before training (kept in the callback's state)."""
+    def _keep_original(self, outputs: list[list[int]], nll: dict[str, float]) -> None:
+        """The first outputs and answer NLLs measured: the model as it was before training (kept in the state)."""
         if self.reference is None:
-            self.reference = {"prompt_ids": [r["prompt_ids"] for r in self.records], "outputs": outputs}
+            self.reference = {"prompt_ids": [r["prompt_ids"] for r in self.records], "outputs": outputs, "nll": nll}
 
     def _quality(self, runs: dict[str, Run], dm) -> dict[str, float]:
         outputs, prompts = runs["ar"].outputs, [r["prompt_ids"] for r in self.records]
-        self._keep_original(outputs)
         original = {tuple(p): o for p, o in zip(self.reference["prompt_ids"], self.reference["outputs"])}
         pairs = [(o, original[tuple(p)]) for p, o in zip(prompts, outputs) if tuple(p) in original]
-        metrics = {}
-        if pairs:
-            metrics["quality/agreement"] = mean(o == r for o, r in pairs)
-            metrics["quality/token_agreement"] = mean(greedy_accept_length(o, r) / max(len(r), 1) for o, r in pairs)
+        metrics = {f"quality/{key}": value for key, value in
+                   compare_answers([o for o, _ in pairs], [r for _, r in pairs]).items() if value is not None}
         name = getattr(dm, "metric", None)
         if name:   # AR's answers, and every other decoder's (a lossless one scores what AR scores)
             for decoder, run in runs.items():
@@ -192,11 +210,19 @@ class SpeedupCallback(L.Callback):
                 metrics[key] = score_answers(name, run.outputs, self.records, self.tokenizer)
         return metrics
 
+    def _drift(self, nll: dict[str, float]) -> dict[str, float]:
+        """drift/nll/SET and, for the sets the original was measured on (a checkpoint from before this option
+        lacks them), drift/nll_change/SET."""
+        original = self.reference.get("nll") or {}
+        return {f"drift/nll/{name}": value for name, value in nll.items()} | {
+            f"drift/nll_change/{name}": value - original[name] for name, value in nll.items() if name in original}
+
     # ---- hooks ------------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.at_train_start:
-            if self.reference is None:  # still take the original outputs before the first step
-                self._keep_original(self._decode_all(trainer, pl_module, only_ar=True)["ar"].outputs)
+            if self.reference is None:  # still take the original outputs and NLLs before the first step
+                runs, nll = self._evaluate(trainer, pl_module, only_ar=True)
+                self._keep_original(runs["ar"].outputs, nll)
             return
         metrics = self.measure(trainer, pl_module)
         if trainer.is_global_zero:  # pl_module.log is not allowed in on_train_start

@@ -5,8 +5,9 @@ from lit_spec.data.metrics import METRICS, get_metric
 from lit_spec.data.sources import HFSource, StdlibCodeSource, mbpp_tests, sharegpt_first_turn
 from lit_spec.data.templates import PromptTemplate
 from lit_spec.data.self_distilled import SelfDistilledDataModule
+from lit_spec.data.noisy_trajectories import NoisyTrajectoryDataModule
 from lit_spec.data.trajectory_data import TrajectoryDataModule
 
 __all__ = ["IGNORE_INDEX", "METRICS", "AnswerBatches", "BaseStates", "PromptDataModule", "SelfDistilledDataModule",
-           "PromptTemplate", "HFSource", "StdlibCodeSource", "TrajectoryDataModule", "batch_size", "collate_answers",
+           "PromptTemplate", "HFSource", "NoisyTrajectoryDataModule", "StdlibCodeSource", "TrajectoryDataModule", "batch_size", "collate_answers",
            "get_metric", "mbpp_tests", "num_tokens", "sharegpt_first_turn"]

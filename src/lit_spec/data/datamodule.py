@@ -18,7 +18,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from lit_spec.data.metrics import get_metric
 from lit_spec.data.resumable import EpochOrder, ResumableLoader, data_parallel_rank, epoch_seed
 from lit_spec.data.templates import PromptTemplate
-from lit_spec.errors import DataError, check_count
+from lit_spec.errors import ConfigError, DataError, check_count
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,19 @@ def record_of(row: dict, answers: str = "answer_ids") -> dict:
     if row.get("problem") is not None:
         out["problem"] = json.loads(row["problem"])
     return out
+
+
+def split_records(datamodule, split: str, n: int | None = None, setting: str = "split") -> list[dict]:
+    """The first ``n`` records (None: all) of ``split`` of a datamodule with ``splits`` as plain records
+    (``record_of``): the dataset's answers, and the ``problem`` an execution metric runs. A split the data lacks, or
+    an empty one, is a ConfigError naming ``setting`` (``bench.split``)."""
+    datamodule.setup("test")
+    if split not in datamodule.splits:
+        raise ConfigError(f"{setting}={split}: the data has no such split; choose one of {sorted(datamodule.splits)}")
+    ds = datamodule.splits[split]
+    if len(ds) == 0:
+        raise ConfigError(f"{setting}={split}: that split of the data is empty")
+    return [record_of(ds[i]) for i in range(len(ds) if n is None else min(n, len(ds)))]
 
 
 class LengthGrouped(EpochOrder):

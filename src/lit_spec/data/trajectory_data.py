@@ -106,8 +106,9 @@ class EpochSampler(EpochOrder):
         return [(i, epoch) for i in torch.randperm(self.size, generator=generator).tolist()]
 
 
-class TrajectoryDataModule(L.LightningDataModule):
-    """Args:
+class JacobiTrajectories(L.LightningDataModule):
+    """A collected trajectory directory as training batches; subclasses make the items (``items``, ``collate``) and
+    say which block sizes they train (``check_block_size``). Args:
         tokenizer: the model's (its pad token pads; the speedup callback decodes with it).
         path: a collected trajectory directory (the ``trajectories`` stage of ``lit_spec.stages`` sets it when the
             config leaves it null).
@@ -177,6 +178,45 @@ class TrajectoryDataModule(L.LightningDataModule):
         pad = None if tok is None else (tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         return 0 if pad is None else pad
 
+    def check_block_size(self, n: int) -> None:
+        """A ConfigError unless the method can train with block size ``n`` on these trajectories."""
+        raise NotImplementedError
+
+    def items(self, split: str) -> Dataset:
+        """The split's items, indexed by (index, epoch) (``EpochSampler``)."""
+        raise NotImplementedError
+
+    def collate(self, items: list[dict]) -> dict:
+        raise NotImplementedError
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        items = self.items(split)
+        loader = ResumableLoader if shuffle else DataLoader
+        return loader(items, batch_size=self.batch_size if shuffle else self.eval_batch_size,
+                      sampler=EpochSampler(len(items), self.seed, shuffle, *data_parallel_rank(self)),
+                      collate_fn=self.collate,
+                      num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("validation", shuffle=False)
+
+
+class TrajectoryDataModule(JacobiTrajectories):
+    """CLLM's batches: one item per (record, block), a state of the block's trajectory drawn per epoch (module doc)."""
+
+    def check_block_size(self, n: int) -> None:
+        """CLLM trains and decodes with the block size its trajectories were collected with."""
+        if n != self.n_tokens:
+            raise ConfigError(f"method.n_tokens={n}, but the trajectories at {self.path} were collected with "
+                              f"n={self.n_tokens}: set method.n_tokens={self.n_tokens}, or collect with n={n} "
+                              f"(data.path=null collects with method.n_tokens)")
+
+    def items(self, split: str) -> Dataset:
+        return _Items(self.records[split], self.seed, self.use_augmented, self.max_context_tokens, self.ar_target)
+
     def collate(self, items: list[dict]) -> dict:
         pad, rows = self.pad_token_id, len(items)
         width = max(len(it["student"]) for it in items)
@@ -200,17 +240,3 @@ class TrajectoryDataModule(L.LightningDataModule):
             batch["ar_attention_mask"][i, : len(ar["ids"])] = 1
             batch["ar_labels"][i, : len(ar["ids"])] = torch.tensor(ar["labels"], dtype=torch.long)
         return batch
-
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        items = _Items(self.records[split], self.seed, self.use_augmented, self.max_context_tokens, self.ar_target)
-        loader = ResumableLoader if shuffle else DataLoader
-        return loader(items, batch_size=self.batch_size if shuffle else self.eval_batch_size,
-                      sampler=EpochSampler(len(items), self.seed, shuffle, *data_parallel_rank(self)),
-                      collate_fn=self.collate,
-                      num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("validation", shuffle=False)

@@ -10,6 +10,7 @@ from lit_spec.decoding import draft_heads  # noqa: F401  (registers "medusa", "c
 from lit_spec.decoding import hidden_transfer  # noqa: F401  (registers "hidden_transfer")
 from lit_spec.decoding import ouroboros  # noqa: F401  (registers "ouroboros")
 from lit_spec.decoding import prompt_lookup  # noqa: F401  (registers "prompt_lookup")
+from lit_spec.decoding import multiblock  # noqa: F401  (registers "multiblock")
 from lit_spec.decoding.base import DECODERS, DecodeOutput, Decoder, generate, new_tokens
 from lit_spec.decoding.stats import DecodeStats
 

@@ -4,6 +4,7 @@ A block of ``q`` new tokens attends to (a) the valid positions of the cache (``p
 by rejected tokens are False) and (b) the new tokens it may see (``visible``: [q, q] or [B, q, q] booleans). The
 result is the additive float mask transformers accepts with ``position_ids`` ([B, 1, q, past + q], 0 or -inf).
 Positions are ``start + depth``: tokens at the same depth (tree siblings, parallel branches) share a position.
+``noise_aware`` is the training-side mask of Jacobi Forcing: several streams packed in one sequence.
 """
 
 from __future__ import annotations
@@ -49,3 +50,18 @@ def attention_mask(past_valid: torch.Tensor, visible: torch.Tensor, dtype: torch
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
+
+
+CONTEXT, PADDING = 0, -1     # streams of ``noise_aware``: the shared context, padding; other ids name a stream each
+
+
+def noise_aware(streams: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Jacobi Forcing's noise-aware causal mask (paper Fig. 6: clean and noisy blocks packed in one sequence) as
+    [B, L, L] booleans (query, key) from each token's stream and position id ([B, L] each): a token sees the context
+    and its own stream up to its position; the context sees only itself (causal), padding only itself. So the clean
+    stream is plain teacher-forced AR over the answer, and the noisy stream reads noisy blocks only."""
+    query, key = streams[:, :, None], streams[:, None, :]
+    earlier = positions[:, None, :] <= positions[:, :, None]
+    same = (key == query) | ((key == CONTEXT) & (query != PADDING))
+    eye = torch.eye(streams.size(1), dtype=torch.bool, device=streams.device)
+    return (same & earlier & (query != PADDING)) | (eye & (query == PADDING))

@@ -17,19 +17,18 @@ import torch
 from lit_spec.data import IGNORE_INDEX, TrajectoryDataModule
 from lit_spec.data.trajectory_data import AR_TARGETS
 from lit_spec.decoding.jacobi import JacobiDecoder
-from lit_spec.errors import ConfigError, check_count
-from lit_spec.methods.method_module import MethodModule
+from lit_spec.errors import ConfigError
 from lit_spec.methods import losses
+from lit_spec.methods.consistency import ConsistencyModule
 
 CONSISTENCY = ("global", "local")
 
 
-class CLLMModule(MethodModule):
-    """Args (besides ``MethodModule``'s):
-        n_tokens: n, the Jacobi block size of ``decoders()`` (the collected block size is a collection setting).
+class CLLMModule(ConsistencyModule):
+    """Args (besides ``ConsistencyModule``'s: n_tokens, the block size of ``decoders()`` and of the trajectories;
+    distance, D of eq. 4-5, forward KL the paper's; ar_weight, ω of eq. 7, 10: Table 6's L_GC + 10·L_AR row, whose
+    3.0x / 56.4 is Table 1's GSM8K CLLM):
         consistency: ``global`` (eq. 4, the paper's choice) or ``local`` (eq. 5).
-        distance: D of eq. 4-5: ``forward_kl`` (the paper's), ``reverse_kl`` or ``jsd``; jsd_beta: JSD's β.
-        ar_weight: ω of eq. 7 (10: Table 6's L_GC + 10·L_AR row, whose 3.0x / 56.4 is Table 1's GSM8K CLLM).
         ar_target: what the AR loss fits (``generated``: the target's answer l, eq. 6; ``dataset``: the reference);
             read by the datamodule (``data.ar_target``), recorded here.
     """
@@ -39,12 +38,8 @@ class CLLMModule(MethodModule):
 
     def __init__(self, model_spec, n_tokens: int = 16, consistency: str = "global", distance: str = "forward_kl",
                  jsd_beta: float = 0.5, ar_weight: float = 10.0, ar_target: str = "generated", **kwargs):
-        check_count("method.n_tokens", n_tokens)
         if consistency not in CONSISTENCY:
             raise ConfigError(f"method.consistency={consistency!r}: choose one of {list(CONSISTENCY)}")
-        losses.check_distance(distance, jsd_beta)
-        if isinstance(ar_weight, bool) or not isinstance(ar_weight, (int, float)) or not ar_weight >= 0:
-            raise ConfigError(f"method.ar_weight={ar_weight!r}: must be a number >= 0 (ω of CLLM eq. 7)")
         if ar_target not in AR_TARGETS:
             raise ConfigError(f"method.ar_target={ar_target!r}: choose one of {list(AR_TARGETS)}")
         super().__init__(model_spec, n_tokens=n_tokens, consistency=consistency, distance=distance,
@@ -68,18 +63,3 @@ class CLLMModule(MethodModule):
         else:                                       # no answer token in the batch (ar_target=dataset, empty refs)
             ar = consistency * 0.0
         return consistency, ar
-
-    def _step(self, batch: dict, stage: str) -> torch.Tensor:
-        consistency, ar = self._losses(batch)
-        loss = consistency + self.hparams.ar_weight * ar  # eq. 7
-        rows = batch["input_ids"].size(0)
-        self.log(f"{stage}/consistency", consistency, batch_size=rows, sync_dist=True)
-        self.log(f"{stage}/ar", ar, batch_size=rows, sync_dist=True)
-        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=rows, sync_dist=True)
-        return loss
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "train")
-
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self._step(batch, "val")

@@ -37,23 +37,32 @@ def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
 
 
+def pointwise(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: str = "forward_kl",
+              beta: float = 0.5) -> torch.Tensor:
+    """D between paired rows of logits [N, V] (teacher detached here): [N], one distance per compared position."""
+    check_distance(kind, beta)
+    log_q = student_logits.float().log_softmax(-1)
+    log_p = teacher_logits.detach().float().log_softmax(-1)
+    if kind == "forward_kl":
+        return _kl(log_p, log_q)
+    if kind == "reverse_kl":
+        return _kl(log_q, log_p)
+    log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
+    return beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
+
+
+def mean_of_sums(values: torch.Tensor, groups: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The sum of ``values`` [N] within each group (``groups`` [N], ids >= 0), averaged over the groups present; 0
+    in the graph of ``like`` when there is nothing to sum."""
+    if values.numel() == 0:
+        return like.sum() * 0.0
+    ids, groups = torch.unique(groups, return_inverse=True)
+    return torch.zeros(len(ids), device=values.device, dtype=values.dtype).index_add(0, groups, values).mean()
+
+
 def distance(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
              kind: str = "forward_kl", beta: float = 0.5) -> torch.Tensor:
     """Args: logits [B, T, V] (teacher detached here), mask [B, T] bool. Returns a scalar (see the module doc)."""
-    check_distance(kind, beta)
     mask = mask.bool()
-    rows = mask.nonzero()[:, 0]                                        # batch row of every compared position
-    log_q = student_logits[mask].float().log_softmax(-1)               # [N, V]: only the compared positions
-    log_p = teacher_logits.detach()[mask].float().log_softmax(-1)
-    if kind == "forward_kl":
-        d = _kl(log_p, log_q)
-    elif kind == "reverse_kl":
-        d = _kl(log_q, log_p)
-    else:
-        log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
-        d = beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
-    present = mask.any(-1)
-    if not present.any():                                              # nothing to compare: 0, still in the graph
-        return student_logits.sum() * 0.0
-    per_sequence = torch.zeros(mask.size(0), device=d.device, dtype=d.dtype).index_add(0, rows, d)
-    return per_sequence[present].mean()
+    d = pointwise(student_logits[mask], teacher_logits[mask], kind, beta)   # only the compared positions
+    return mean_of_sums(d, mask.nonzero()[:, 0], student_logits)

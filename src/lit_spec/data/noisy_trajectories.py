@@ -1,0 +1,168 @@
+"""``data=noisy_trajectories``: Jacobi Forcing's training sequences (Hu et al. 2025, arXiv 2512.14681, Fig. 6) from
+the Jacobi trajectories that CLLM trains on (``data=trajectories``, the same collection and cache entry).
+
+One item per record. Its answer is cut into blocks of n tokens (n divides the collected block size: a collected
+block's states cut to a sub-block are that sub-block's trajectory). Block j gets a noise ratio t_j from the
+progressive schedule, t_j = W[j mod w] with W = w ratios rising linearly from 0 to 1 (``progressive``, the paper's;
+``random`` draws a ratio of W per block and epoch). Its noisy state is the trajectory state whose unconverged share
+(the tokens from its first wrong one on, over n) is nearest to t_j, its clean state the fixed point. The item packs
+the context and every (noisy, clean) pair, ``context k_0 l_0 k_1 l_1 ...``, each pair on the same position ids; the
+noise-aware mask (``decoding.masks.noise_aware``) lets the clean blocks read as plain AR over the answer and the noisy
+ones read the noisy blocks before them. One forward gives both losses:
+
+- ``pairs``: (row, noisy position, clean position, block) of every noisy token from the block's first wrong one on:
+  the model's next-token distribution there is compared with the clean copy's (the consistency loss);
+- ``labels``: the next answer token at the context's last position and every clean position (the AR loss).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+from lit_spec.data.datamodule import IGNORE_INDEX
+from lit_spec.data.trajectory_data import JacobiTrajectories
+from lit_spec.decoding.masks import CONTEXT, PADDING
+from lit_spec.decoding.verify import greedy_accept_length
+from lit_spec.errors import ConfigError, check_count
+
+NOISY, CLEAN = 1, 2                        # the two streams of ``masks.noise_aware`` besides the context
+NOISE_SCHEDULES = ("progressive", "random")
+
+
+def split_blocks(record: dict, n: int) -> list[list[list[int]]]:
+    """The record's blocks at block size ``n`` (a divisor of the collected one), each its list of states from the
+    initial guess to the fixed point (consecutive repeats dropped); empty blocks left out."""
+    blocks = []
+    for block in record["blocks"]:
+        states = block["states"]
+        for start in range(0, len(states[-1]), n):
+            sub: list[list[int]] = []
+            for state in states:
+                if not sub or state[start: start + n] != sub[-1]:
+                    sub.append(state[start: start + n])
+            blocks.append(sub)
+    return blocks
+
+
+def noise_ratios(window: int) -> list[float]:
+    """W: ``window`` noise ratios rising linearly from 0 to 1 (a window of 1: only clean blocks)."""
+    return [i / (window - 1) for i in range(window)] if window > 1 else [0.0]
+
+
+def unconverged(state: list[int], fixed: list[int]) -> float:
+    """The share of a state's tokens that are not yet final: from its first wrong token to the block's end."""
+    return (len(fixed) - greedy_accept_length(state, fixed)) / len(fixed)
+
+
+def pick_state(states: list[list[int]], ratio: float) -> list[int]:
+    """The state whose unconverged share is nearest to ``ratio`` (the earliest on ties: the noisier)."""
+    fixed = states[-1]
+    return min(states, key=lambda s: abs(unconverged(s, fixed) - ratio))
+
+
+def packed_item(context: list[int], blocks: list[list[list[int]]], ratios: list[float]) -> dict:
+    """Token lists of one sequence: ids, positions, streams, labels and the consistency pairs (see the module doc)."""
+    item = {"ids": list(context), "positions": list(range(len(context))), "streams": [CONTEXT] * len(context),
+            "labels": [IGNORE_INDEX] * len(context), "pairs": []}
+
+    def append(stream: int, tokens: list[int], start: int) -> int:
+        at = len(item["ids"])
+        item["ids"] += tokens
+        item["positions"] += range(start, start + len(tokens))
+        item["streams"] += [stream] * len(tokens)
+        item["labels"] += [IGNORE_INDEX] * len(tokens)
+        return at
+
+    last_clean = len(context) - 1                    # the position whose logits predict the next answer token
+    for j, (states, ratio) in enumerate(zip(blocks, ratios)):
+        fixed, noisy = states[-1], pick_state(states, ratio)
+        start = item["positions"][-1] + 1 if item["positions"] else 0
+        noisy_at, clean_at = append(NOISY, noisy, start), append(CLEAN, fixed, start)
+        for at, token in zip([last_clean] + list(range(clean_at, clean_at + len(fixed) - 1)), fixed):
+            item["labels"][at] = token
+        last_clean = clean_at + len(fixed) - 1
+        end = len(fixed) - (j == len(blocks) - 1)     # the answer's last token predicts nothing of it
+        item["pairs"] += [(noisy_at + t, clean_at + t, j) for t in range(greedy_accept_length(noisy, fixed), end)]
+    return item
+
+
+class _Records(Dataset):
+    """One packed item per record with a trajectory; ``dataset[(index, epoch)]`` (``random`` draws per epoch)."""
+
+    def __init__(self, records: list[dict], n: int, window: int, schedule: str, seed: int,
+                 max_context_tokens: int | None):
+        self.n, self.ratios, self.schedule, self.seed = n, noise_ratios(window), schedule, seed
+        self.max_context_tokens = max_context_tokens
+        self.records = [r for r in records if any(b["states"][-1] for b in r["blocks"])]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict:
+        index, epoch = key
+        record = self.records[index]
+        blocks = split_blocks(record, self.n)
+        w = len(self.ratios)
+        if self.schedule == "progressive":
+            picks = [j % w for j in range(len(blocks))]
+        else:
+            generator = torch.Generator().manual_seed(hash((self.seed, epoch, index)) % 2**63)
+            picks = torch.randint(w, (len(blocks),), generator=generator).tolist()
+        context = record["prompt_ids"]
+        if self.max_context_tokens is not None:
+            context = context[-self.max_context_tokens:]
+        return packed_item(context, blocks, [self.ratios[i] for i in picks])
+
+
+class NoisyTrajectoryDataModule(JacobiTrajectories):
+    """Args (besides ``JacobiTrajectories``'; ``batch_size`` counts records, ``use_augmented`` is not read):
+        block_size: n, the training block size (``method.n_tokens``); a divisor of the collected block size; null:
+            the collected one.
+        noise_window: w, the ratios of the progressive schedule (the paper's data: n = 32, w = 16).
+        noise_schedule: ``progressive`` (t_j = W[j mod w], the paper's) or ``random`` (a ratio of W per block and
+            epoch).
+    """
+
+    def __init__(self, block_size: int | None = None, noise_window: int = 16, noise_schedule: str = "progressive",
+                 **kwargs):
+        super().__init__(**kwargs)
+        check_count("method.n_tokens", block_size, optional=True)
+        check_count("data.noise_window", noise_window)
+        if noise_schedule not in NOISE_SCHEDULES:
+            raise ConfigError(f"data.noise_schedule={noise_schedule!r}: choose one of {list(NOISE_SCHEDULES)}")
+        if self.ar_target != "generated":
+            raise ConfigError(f"data.ar_target={self.ar_target!r}: Jacobi Forcing's AR loss reads the clean blocks, "
+                              "the generated answer; use ar_target=generated")
+        self.block_size, self.noise_window, self.noise_schedule = block_size, noise_window, noise_schedule
+
+    def check_block_size(self, n: int) -> None:
+        if self.n_tokens % n:
+            raise ConfigError(f"method.n_tokens={n} does not divide the block size n={self.n_tokens} the trajectories "
+                              f"at {self.path} were collected with: choose a divisor of {self.n_tokens}, or collect "
+                              f"with collect.n_tokens={n}")
+
+    def items(self, split: str) -> Dataset:
+        n = self.block_size or self.n_tokens
+        self.check_block_size(n)
+        return _Records(self.records[split], n, self.noise_window, self.noise_schedule, self.seed,
+                        self.max_context_tokens)
+
+    def collate(self, items: list[dict]) -> dict:
+        rows, width = len(items), max(len(it["ids"]) for it in items)
+        batch = {"input_ids": torch.full((rows, width), self.pad_token_id, dtype=torch.long),
+                 "position_ids": torch.zeros((rows, width), dtype=torch.long),
+                 "streams": torch.full((rows, width), PADDING, dtype=torch.long),
+                 "labels": torch.full((rows, width), IGNORE_INDEX, dtype=torch.long),
+                 "attention_mask": torch.zeros((rows, width), dtype=torch.long)}
+        pairs = []
+        for i, it in enumerate(items):
+            size = len(it["ids"])
+            for key, seq in (("input_ids", "ids"), ("position_ids", "positions"), ("streams", "streams"),
+                             ("labels", "labels")):
+                batch[key][i, :size] = torch.tensor(it[seq], dtype=torch.long)
+            batch["attention_mask"][i, :size] = 1
+            base = max((p[3] for p in pairs), default=-1) + 1        # block ids unique in the batch
+            pairs += [(i, s, c, base + b) for s, c, b in it["pairs"]]
+        batch["pairs"] = torch.tensor(pairs, dtype=torch.long).reshape(-1, 4)
+        return batch

@@ -1,0 +1,206 @@
+"""Jacobi Forcing (method=jacobi_forcing, data=noisy_trajectories): the noise schedule and packed sequences of a
+hand-written trajectory, the noise-aware mask position by position, the losses of one forward against separate
+plain forwards on a micro model, bad settings, and training end to end."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import MICRO_MODEL, make_config
+from lit_spec.config import build
+from lit_spec.data import IGNORE_INDEX, NoisyTrajectoryDataModule
+from lit_spec.data.noisy_trajectories import (CLEAN, NOISY, noise_ratios, packed_item, pick_state, split_blocks,
+                                              unconverged)
+from lit_spec.decoding.masks import CONTEXT, PADDING, noise_aware
+from lit_spec.errors import ConfigError
+from lit_spec.methods import JacobiForcingModule
+from lit_spec.training import run_training
+from test_cllm import _logged, write_trajectories
+
+X = IGNORE_INDEX
+
+
+def test_schedule_and_state_choice():
+    assert noise_ratios(5) == [0.0, 0.25, 0.5, 0.75, 1.0] and noise_ratios(1) == [0.0]
+    fixed = [7, 8, 9, 10]
+    assert [unconverged(s, fixed) for s in ([1, 8, 9, 10], [7, 1, 9, 10], [7, 8, 9, 10])] == [1.0, 0.75, 0.0]
+    states = [[1, 2, 3, 4], [7, 2, 3, 4], [7, 8, 3, 4], [7, 8, 9, 10]]   # unconverged 1, 0.75, 0.5, 0
+    assert pick_state(states, 0.0) == fixed
+    assert pick_state(states, 0.6) == [7, 8, 3, 4]
+    assert pick_state(states, 0.625) == [7, 2, 3, 4]                    # a tie: the noisier, earlier state
+    assert pick_state(states, 1.0) == [1, 2, 3, 4]
+
+
+def test_blocks_split_to_a_divisor_of_the_collected_size():
+    record = {"blocks": [{"states": [[1, 2, 3, 4], [5, 2, 3, 4], [5, 6, 7, 4], [5, 6, 7, 8]]},
+                         {"states": [[9, 9], [9, 10]]}]}
+    assert split_blocks(record, 4) == [record["blocks"][0]["states"], [[9, 9], [9, 10]]]
+    assert split_blocks(record, 2) == [[[1, 2], [5, 2], [5, 6]],            # repeats dropped
+                                       [[3, 4], [7, 4], [7, 8]], [[9, 9], [9, 10]]]
+
+
+def test_packed_sequence_of_a_known_record():
+    # two blocks of 2 after a 2-token context; block 0 noisy from its 2nd token, block 1 from its 1st
+    blocks = [[[5, 1], [5, 6]], [[2, 3], [7, 3], [7, 8]]]
+    item = packed_item([40, 41], blocks, [1.0, 1.0])
+    assert item["ids"] == [40, 41, 5, 1, 5, 6, 2, 3, 7, 8]
+    assert item["positions"] == [0, 1, 2, 3, 2, 3, 4, 5, 4, 5]
+    assert item["streams"] == [CONTEXT] * 2 + [NOISY] * 2 + [CLEAN] * 2 + [NOISY] * 2 + [CLEAN] * 2
+    # the next answer token at the context's end and every clean position; nothing after the answer's last token
+    assert item["labels"] == [X, 5, X, X, 6, 7, X, X, 8, X]
+    # (noisy, clean, block) from each noisy block's first wrong token; not the answer's last position
+    assert item["pairs"] == [(3, 5, 0), (6, 8, 1)]
+    clean = packed_item([40, 41], blocks, [0.0, 0.0])                  # ratio 0: the fixed points, nothing to learn
+    assert clean["ids"][2:4] == [5, 6] and clean["pairs"] == []
+
+
+def test_noise_aware_mask_position_by_position():
+    item = packed_item([40, 41], [[[5, 1], [5, 6]], [[2, 3], [7, 8]]], [1.0, 1.0])
+    streams = torch.tensor([item["streams"] + [PADDING]])
+    positions = torch.tensor([item["positions"] + [0]])
+    expected = ["10000000000",   # context: causal
+                "11000000000",
+                "11100000000",   # k_0: the context, then causal in k_0
+                "11110000000",
+                "11001000000",   # l_0: the context, then causal in l_0 (never a noisy token)
+                "11001100000",
+                "11110010000",   # k_1: the context, all of k_0, causal in k_1
+                "11110011000",
+                "11001100100",   # l_1: the context, all of l_0, causal in l_1
+                "11001100110",
+                "00000000001"]   # padding: itself only
+    got = noise_aware(streams, positions)[0].int().tolist()
+    assert ["".join(map(str, row)) for row in got] == expected
+
+
+def _micro_module(ar_weight: float = 10.0) -> JacobiForcingModule:
+    from random_models import random_model
+
+    module = JacobiForcingModule(SimpleNamespace(to_dict=dict), n_tokens=2, ar_weight=ar_weight)
+    module.model = random_model().train()
+    module.log = lambda *a, **k: None
+    return module
+
+
+def test_losses_of_one_forward_equal_separate_plain_forwards():
+    """The packed forward's logits are those of plain causal forwards of the clean answer and of the noisy stream, so
+    the losses can be computed by hand from those: consistency = mean over blocks of Σ_t KL(clean ‖ noisy), AR =
+    mean cross-entropy of the answer."""
+    records = [(list(range(10, 14)), [[[20, 3], [20, 21]], [[4, 5], [22, 5], [22, 23]], [[6, 7], [24, 25]]]),
+               ([30, 31], [[[32, 9], [32, 33]], [[8, 8], [34, 35]]])]
+    ratios = [[1.0, 1.0, 1.0], [1.0, 1.0]]
+    dm = NoisyTrajectoryDataModule(path="unused")
+    batch = dm.collate([packed_item(c, b, r) for (c, b), r in zip(records, ratios)])
+    module = _micro_module()
+    consistency, ar = module._losses(batch)
+
+    model = module.model
+    kls, nll, count = [], 0.0, 0
+    with torch.no_grad():
+        for context, blocks in records:
+            answer = [t for b in blocks for t in b[-1]]
+            noisy_stream = [t for b in blocks for t in pick_state(b, 1.0)]
+            clean = model(torch.tensor([context + answer])).logits[0]
+            noisy = model(torch.tensor([context + noisy_stream])).logits[0]
+            p = len(context)
+            nll += F.cross_entropy(clean[p - 1: -1], torch.tensor(answer), reduction="sum").item()
+            count += len(answer)
+            for j, states in enumerate(blocks):
+                fixed, state = states[-1], pick_state(states, 1.0)
+                first = next(t for t in range(2) if state[t] != fixed[t])
+                end = 2 - (j == len(blocks) - 1)
+                total = 0.0
+                for t in range(first, end):
+                    at = p + 2 * j + t
+                    log_p, log_q = clean[at].log_softmax(-1), noisy[at].log_softmax(-1)
+                    total += float((log_p.exp() * (log_p - log_q)).sum())
+                if first < end:
+                    kls.append(total)
+    assert consistency.item() == pytest.approx(sum(kls) / len(kls), rel=1e-4)
+    assert ar.item() == pytest.approx(nll / count, rel=1e-5)
+    loss = module.training_step(batch, 0)
+    assert loss.item() == pytest.approx(consistency.item() + 10.0 * ar.item(), rel=1e-5)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_a_batch_without_pairs_still_has_an_ar_loss():
+    dm = NoisyTrajectoryDataModule(path="unused")
+    batch = dm.collate([packed_item([10, 11], [[[20, 21]]], [0.0])])
+    consistency, ar = _micro_module()._losses(batch)
+    assert consistency.item() == 0.0 and consistency.requires_grad and math.isfinite(ar.item()) and ar.item() > 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"noise_window": 0}, r"^data.noise_window=0: must be an integer >= 1$"),
+    ({"noise_schedule": "cosine"}, r"^data.noise_schedule='cosine': choose one of"),
+    ({"ar_target": "dataset"}, r"^data.ar_target='dataset': Jacobi Forcing's AR loss reads the clean blocks")])
+def test_bad_data_settings_are_one_line_errors(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        NoisyTrajectoryDataModule(path="unused", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [({"n_tokens": 0}, "n_tokens"), ({"ar_weight": -1}, "ar_weight"),
+                                           ({"blocks": 0}, "blocks"), ({"spawn_ratio": 2.0}, "spawn_ratio"),
+                                           ({"distance": "l2"}, "distance")])
+def test_bad_method_settings_are_config_errors(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        JacobiForcingModule(None, **kwargs)
+
+
+def _run(tmp_path, traj, method: str = "jacobi_forcing", data: str = "noisy_trajectories", *overrides):
+    return make_config(tmp_path / "run", [
+        *MICRO_MODEL, f"method={method}", f"data={data}", f"data.path={traj}", "data.batch_size=2",
+        "method.n_tokens=3", "method.lr=3e-3", "method.warmup_steps=0", "trainer.max_steps=4",
+        "trainer.val_check_interval=2", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
+        "trainer.log_every_n_steps=1", "callbacks=default", "callbacks.throughput.window_size=2", *overrides])
+
+
+def test_block_size_must_divide_the_collected_one(tmp_path):
+    traj = write_trajectories(tmp_path / "traj")            # collected with n = 3
+    with pytest.raises(ConfigError, match=r"^method.n_tokens=2 does not divide the block size n=3 the trajectories at "
+                                          r".* were collected with: choose a divisor of 3, or collect with "
+                                          r"collect.n_tokens=2$"):
+        run_training(_run(tmp_path, traj, "jacobi_forcing", "noisy_trajectories", "method.n_tokens=2"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_method_and_data_must_match(tmp_path):
+    traj = write_trajectories(tmp_path / "traj")
+    with pytest.raises(ConfigError, match=r"JacobiForcingModule trains on NoisyTrajectoryDataModule batches.*"
+                                          r"data=noisy_trajectories"):
+        run_training(_run(tmp_path, traj, "jacobi_forcing", "trajectories"))
+    with pytest.raises(ConfigError, match=r"CLLMModule trains on TrajectoryDataModule batches"):
+        run_training(_run(tmp_path, traj, "cllm", "noisy_trajectories"))
+
+
+def test_jacobi_forcing_trains_end_to_end(tmp_path):
+    traj = write_trajectories(tmp_path / "traj", train=4)     # _record's blocks: 3 noisy states, then 1 fixed one
+    dm = NoisyTrajectoryDataModule(path=str(traj), batch_size=2, noise_window=3)
+    dm.setup()
+    assert len(dm.items("train")) == 3                         # one item per record (4 records, 1 held out)
+    first = next(iter(dm.train_dataloader()))
+    # progressive: block 0 at ratio 0 is its fixed point, block 1 has no other state: nothing noisy to learn
+    assert first["pairs"].numel() == 0 and (first["labels"] != X).sum().item() == 2 * 5
+
+    cfg = _run(tmp_path, traj, "jacobi_forcing", "noisy_trajectories", "data.noise_window=2",
+               "data.noise_schedule=random")
+    metrics = run_training(cfg)
+    assert metrics["global_step"] == 4
+    run = tmp_path / "run"
+    for key in ("train/consistency", "train/ar", "train/loss", "val/loss"):
+        values = _logged(run, key)
+        assert values and all(math.isfinite(v) and v >= 0 for v in values), (key, values)
+    assert max(_logged(run, "train/consistency")) > 0          # some block 0 drew ratio 1: its noisy initial guess
+    loss, cons, ar = (_logged(run, f"val/{k}")[0] for k in ("loss", "consistency", "ar"))
+    assert loss == pytest.approx(cons + 10.0 * ar, rel=1e-4)   # ω = 10
+
+    module = build(cfg.method, model_spec=build(cfg.model))
+    module.configure_model()
+    decoders = module.decoders()
+    assert sorted(decoders) == ["jacobi", "multiblock"] and decoders["multiblock"].n_tokens == 3
