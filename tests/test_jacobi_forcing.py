@@ -204,3 +204,21 @@ def test_jacobi_forcing_trains_end_to_end(tmp_path):
     module.configure_model()
     decoders = module.decoders()
     assert sorted(decoders) == ["jacobi", "multiblock"] and decoders["multiblock"].n_tokens == 3
+
+
+def test_progressive_rounds_are_stages_in_order(tmp_path):
+    """Round 2 trains round 1's export on round 1's own trajectories at n = 32: every step is a stage, listed (and
+    built) before the run, each after the stages it needs."""
+    from lit_spec.config import compose_config
+    from lit_spec.stages import find_stages
+
+    cfg = compose_config(["+experiment=jacobi_forcing_quickstart_round2", f"paths.cache_dir={tmp_path}"])
+    stages = find_stages(cfg)
+    assert [s.name.rsplit("-", 1)[0] for s in stages] == [
+        "tiny_base", "tiny_target", "trajectories", "jacobi_forcing_quickstart", "trajectories"]
+    assert all(s.output.parent == tmp_path for s in stages)                # one cache, the run's
+    round1, collected = stages[3], stages[4]
+    assert round1.config.method.n_tokens == 16 and collected.config.collect.n_tokens == 32
+    assert collected.config.model.name_or_path == str(round1.output)       # collected by the round-1 model
+    assert cfg.model.name_or_path == str(round1.output) and cfg.method.n_tokens == 32
+    assert not any(tmp_path.iterdir())                                      # listed, nothing built

@@ -105,7 +105,8 @@ def collection_stage(kind: str, node: DictConfig) -> Stage:
         raise ConfigError(f"the {kind} data: set data.path (a collected directory) or data.collect (overrides "
                           "for conf/collect.yaml)")
     overrides = list(node.collect)
-    cfg = compose_config(overrides, config_name="collect")
+    # the collection's model stages share this run's cache (a command-line paths.cache_dir, not only LIT_SPEC_CACHE)
+    cfg = compose_config([*overrides, f"paths.cache_dir={node.cache_dir}"], config_name="collect")
     hashed = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k in COLLECT_GROUPS}
     hashed["collect"].pop("out_dir", None)
     out = cache_entry(node.cache_dir, f"{kind}-{config_hash(hashed)}")
