@@ -41,10 +41,15 @@ HEADS = {"chimera": ["method=chimera"], "medusa": ["method=medusa"],
 # method -> (overrides, the decoder the speedup callback measures besides AR)
 METHODS = {"ar": (["callbacks.speedup.extra_decoders={jacobi: {n_tokens: 4}}"], "jacobi"),
            "cllm": ([], "jacobi"),
+           "jacobi_forcing": ([], "multiblock"),
            **{name: ([*args, *BASE_CHECK], name) for name, args in HEADS.items()},
            "draft_distill": (["method=draft_distill", *STUDENT, *BASE_CHECK], "speculative")}
 ZERO = ["deepspeed_zero2", "deepspeed_zero3"]
-MATRIX = [(m, s) for m in METHODS for s in ZERO] + [(m, "fsdp") for m in ("ar", "cllm", "medusa")]
+# Jacobi Forcing: the card's ZeRO-3 only (its batches differ from CLLM's, its sharded path does not)
+MATRIX = [(m, s) for m in METHODS if m != "jacobi_forcing" for s in ZERO] + [("jacobi_forcing", "deepspeed_zero3")] + [
+    (m, "fsdp") for m in ("ar", "cllm", "medusa")]
+TRAJECTORY_METHODS = {"cllm": ["data=trajectories"],
+                      "jacobi_forcing": ["data=noisy_trajectories", "data.noise_window=2", "data.noise_schedule=random"]}
 
 
 def train_cli(run_dir: Path, *overrides: str) -> dict:
@@ -92,10 +97,10 @@ def check_held(run_dir: Path, strategy: str) -> None:
 
 
 def method_run(method: str, tmp_path: Path) -> list[str]:
-    if method != "cllm":
+    if method not in TRAJECTORY_METHODS:
         return [*MICRO_RUN, *METHODS[method][0]]
     traj = write_trajectories(tmp_path / "traj", train=8, validation=2)
-    return [*MICRO_MODEL, "method=cllm", "data=trajectories", f"data.path={traj}", "data.batch_size=2",
+    return [*MICRO_MODEL, f"method={method}", *TRAJECTORY_METHODS[method], f"data.path={traj}", "data.batch_size=2",
             "method.n_tokens=3", "method.lr=3e-3", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false"]
 
 
@@ -104,7 +109,7 @@ def check_export(method: str, export: Path, base_dir: str, initial: dict[str, to
     ids = torch.tensor([[1, 5, 9, 13, 17]])
     base = AutoModelForCausalLM.from_pretrained(base_dir)
     greedy = generate(base, ids, "ar", max_new_tokens=12).sequences
-    if method in ("ar", "cllm"):
+    if method in ("ar", *TRAJECTORY_METHODS):
         trained = load_file(export / "model.safetensors")
         assert trained.keys() == initial.keys()
         assert any(not torch.equal(trained[k], initial[k]) for k in trained), "exported the untrained weights"
