@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lit_spec.data.datamodule import IGNORE_INDEX
-from lit_spec.data.trajectory_data import JacobiTrajectories
+from lit_spec.data.trajectory_data import JacobiTrajectories, item_generator
 from lit_spec.decoding.masks import CONTEXT, PADDING
 from lit_spec.decoding.verify import greedy_accept_length
 from lit_spec.errors import ConfigError, check_count
@@ -107,7 +107,7 @@ class _Records(Dataset):
         if self.schedule == "progressive":
             picks = [j % w for j in range(len(blocks))]
         else:
-            generator = torch.Generator().manual_seed(hash((self.seed, epoch, index)) % 2**63)
+            generator = item_generator(self.seed, epoch, index)
             picks = torch.randint(w, (len(blocks),), generator=generator).tolist()
         context = record["prompt_ids"]
         if self.max_context_tokens is not None:

@@ -67,6 +67,11 @@ def ar_item(record: dict, ar_target: str = "generated", max_context_tokens: int 
     return {"ids": prompt + answer, "labels": [IGNORE_INDEX] * len(prompt) + answer}
 
 
+def item_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """The generator of an item's random draws: reproducible, new every epoch."""
+    return torch.Generator().manual_seed(hash((seed, epoch, index)) % 2**63)
+
+
 class _Items(Dataset):
     """(record, block) items; ``dataset[(index, epoch)]`` draws the item's student state for that epoch."""
 
@@ -85,7 +90,7 @@ class _Items(Dataset):
         r, b = self.items[index]
         record = self.records[r]
         size = len(student_pool(record["blocks"][b], self.use_augmented))
-        generator = torch.Generator().manual_seed(hash((self.seed, epoch, index)) % 2**63)
+        generator = item_generator(self.seed, epoch, index)
         choice = int(torch.randint(size, (1,), generator=generator))
         return {**consistency_item(record, b, choice, self.use_augmented, self.max_context_tokens),
                 "ar": ar_item(record, self.ar_target, self.max_context_tokens)}
