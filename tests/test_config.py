@@ -334,14 +334,3 @@ def test_an_unwritable_cache_dir_is_refused_before_any_stage(tmp_path):
     cfg = compose_config(["model=tiny_target", f"paths.cache_dir={tmp_path / 'a_file' / 'cache'}"])
     with pytest.raises(ConfigError, match=r"paths\.cache_dir \(LIT_SPEC_CACHE\)=.*cannot write there"):
         ensure_stages(cfg)
-
-
-def test_readme_lists_every_option_of_every_group():
-    """README = the truth: its table of config groups names every option under conf/ (a new config that the README
-    does not mention fails here)."""
-    readme = (CONF.parent / "README.md").read_text()
-    rows = {line.split("|")[1].strip().strip("`").split("`")[0]: line for line in readme.splitlines()
-            if line.startswith("| `")}
-    missing = [f"{group}={option}" for group in [*GROUPS, "experiment"] if group not in {"paths"}
-               for option in _options(group) if f"`{option}`" not in rows.get(group, "")]
-    assert not missing, f"README's config table lacks: {missing}"

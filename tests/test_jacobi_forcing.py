@@ -222,3 +222,28 @@ def test_progressive_rounds_are_stages_in_order(tmp_path):
     assert collected.config.model.name_or_path == str(round1.output)       # collected by the round-1 model
     assert cfg.model.name_or_path == str(round1.output) and cfg.method.n_tokens == 32
     assert not any(tmp_path.iterdir())                                      # listed, nothing built
+
+
+def test_a_cached_stage_needs_nothing_upstream(tmp_path):
+    """With round 1's trajectories cached, round 2 needs none of the stages they were collected from (the tiny base,
+    target and round-1 trajectories); with round 1's export cached but not its trajectories, only the collection runs.
+    (Marked built by the files each kind checks; nothing is built.)"""
+    from lit_spec.config import compose_config
+    from lit_spec.data.trajectories import write_meta
+    from lit_spec.stages import find_stages, needed
+
+    def plan():
+        named: list = []
+        stages = find_stages(compose_config(["+experiment=jacobi_forcing_quickstart_round2",
+                                             f"paths.cache_dir={tmp_path}"]), named)
+        return [s.name.rsplit("-", 1)[0] for s in needed(stages, named)], stages
+
+    names, stages = plan()
+    assert names == ["tiny_base", "tiny_target", "trajectories", "jacobi_forcing_quickstart", "trajectories"]
+    round1, collected = stages[3].output, stages[4].output
+    round1.mkdir()
+    (round1 / "config.json").write_text("{}")
+    assert plan()[0] == ["jacobi_forcing_quickstart", "trajectories"]     # a collection by the cached round 1
+    write_meta(collected, {}, complete=True)
+    names, stages = plan()
+    assert names == ["jacobi_forcing_quickstart", "trajectories"] and all(s.built() for s in stages[3:])

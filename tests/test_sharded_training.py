@@ -1,6 +1,7 @@
 """The card's distributed path, run for real: every trainable method under DeepSpeed ZeRO-2 and ZeRO-3 (and ar, cllm
 and a frozen-base method under FSDP2) on 2 CPU processes (gloo), through ``python -m lit_spec.train`` as a user runs
-it; and data parallelism changing nothing but speed.
+it, in fp32 (trains, exports losslessly, resumes) and in the GPU's bf16-mixed (trains and exports with the dtypes the
+precision policy states, every method under all three strategies); and data parallelism changing nothing but speed.
 
 Each run is a CLI subprocess (Lightning re-launches the same command for rank 1), ~25 s on 2 cores: the module is
 marked ``distributed`` and runs as its own step of ``.ci/run`` (``pytest -m distributed``).
@@ -34,7 +35,7 @@ TESTS = Path(__file__).parent
 TWO_RANKS = ["trainer.devices=2", "trainer.log_every_n_steps=1", "trainer.max_steps=6", "trainer.val_check_interval=3",
              "callbacks=speedup", "callbacks.speedup.num_prompts=2", "callbacks.speedup.max_new_tokens=8",
              "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.model_checkpoint.save_top_k=-1",
-             "callbacks.model_checkpoint.monitor=null"]
+             "callbacks.model_checkpoint.monitor=null", "callbacks.speedup.drift_data=null"]
 BASE_CHECK = ["+callbacks.base_unchanged._target_=sharded_checks.FrozenBaseUnchanged"]
 HEADS = {"chimera": ["method=chimera"], "medusa": ["method=medusa"],
          "hidden_transfer": ["method=hidden_transfer", "method.layers=[1,2]", "method.tree=[2,1]"]}
@@ -84,15 +85,33 @@ def strategy_run(strategy: str) -> list[str]:
     return [f"strategy={strategy}", *persistence, "++callbacks.memory._target_=lit_spec.callbacks.MemoryMonitor"]
 
 
-def check_held(run_dir: Path, strategy: str) -> None:
-    """Each rank holds half of what its strategy partitions (fp32: 4 bytes an element): ZeRO-2 the optimizer (Adam's
-    m and v and the fp32 master copy ZeRO-2 keeps), ZeRO-3 the parameters too (fp32 weights are their own master
-    there), FSDP the parameters and optimizer of what trains."""
+# the precision policy (lit_spec.precision) per strategy and precision: the dtypes of frozen and trained weights and
+# of the optimizer's masters, as MemoryMonitor reads them on every rank ([]: the weights are their own masters)
+POLICY = {("32-true", s): ("float32", "float32", [] if s != "deepspeed_zero2" else ["float32"])
+          for s in (*ZERO, "fsdp")} | {
+    ("bf16-mixed", "deepspeed_zero2"): ("bfloat16", "bfloat16", ["float32"]),
+    ("bf16-mixed", "deepspeed_zero3"): ("bfloat16", "bfloat16", ["float32"]),
+    ("bf16-mixed", "fsdp"): ("float32", "float32", [])}
+BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def check_held(run_dir: Path, strategy: str, precision: str = "32-true") -> None:
+    """Each rank holds its weights in the policy's dtypes, and half of what its strategy partitions: ZeRO-2 the
+    optimizer (Adam's m and v and the fp32 master copy ZeRO-2 keeps), ZeRO-3 the parameters too (fp32 weights are
+    their own master there, bf16 ones have fp32 masters), FSDP the parameters and optimizer of what trains."""
+    frozen_dtype, trained_dtype, masters = POLICY[precision, strategy]
     for rank in (0, 1):
         held = json.loads((run_dir / f"memory.rank{rank}.json").read_text())
-        params, trained = held["param_count"] * 4 / 2**20, held["trainable_count"] * 4 / 2**20
-        expected = {"deepspeed_zero2": (params, 3 * trained / 2), "deepspeed_zero3": (params / 2, 2 * trained / 2),
-                    "fsdp": (params - trained / 2, 2 * trained / 2)}[strategy]
+        frozen_count = held["param_count"] - held["trainable_count"]
+        assert held["dtypes"] == {"frozen": [frozen_dtype] if frozen_count else [], "trained": [trained_dtype],
+                                  "masters": masters}, (rank, held["dtypes"])
+        frozen = frozen_count * BYTES[frozen_dtype] / 2**20
+        trained = held["trainable_count"] * BYTES[trained_dtype] / 2**20
+        # Adam's m and v (fp32), plus the fp32 masters where the strategy keeps them apart from the weights
+        states = held["trainable_count"] * 4 * (2 + len(masters)) / 2**20
+        expected = {"deepspeed_zero2": (frozen + trained, states / 2),
+                    "deepspeed_zero3": ((frozen + trained) / 2, states / 2),
+                    "fsdp": (frozen + trained / 2, states / 2)}[strategy]
         assert (held["params_mb"], held["optimizer_mb"]) == pytest.approx(expected, rel=0.1), (rank, held, expected)
 
 
@@ -142,7 +161,7 @@ def test_method_trains_exports_and_resumes_on_two_processes(method, strategy, tm
     assert len(logged(first, f"mean_accepted/{decoder}")) == 3 and logged(first, "tokens_per_s/ar")
 
     check_export(method, first / "export", micro_dirs[0], load_file(Path(micro_dirs[0]) / "model.safetensors"))
-    check_held(first, strategy)
+    check_held(first, strategy, "32-true")
     if "base_unchanged" in " ".join(run):
         for rank in (0, 1):
             result = json.loads((first / f"base_unchanged.rank{rank}.json").read_text())
@@ -157,6 +176,22 @@ def test_method_trains_exports_and_resumes_on_two_processes(method, strategy, tm
     got = logged(resumed, "train/loss")
     assert [s for s, _ in got] == [2, 3, 4, 5]
     assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-5), (expected, got)
+
+
+@pytest.mark.parametrize("method, strategy", [(m, s) for m in METHODS for s in (*ZERO, "fsdp")])
+def test_method_trains_and_exports_in_bf16_mixed(method, strategy, tmp_path, micro_dirs):
+    """The GPU's precision on 2 CPU processes: every method trains, measures and exports under every strategy with
+    the dtypes the precision policy states. Greedy decoding is lossless in fp32 only (bf16's rounding differs between
+    a one-token and a many-token forward), so the decoders are measured, not held to exactness, here; the export is
+    in the model's own dtype (fp32) and decodes losslessly."""
+    run = [*method_run(method, tmp_path), *TWO_RANKS, *strategy_run(strategy), "trainer.precision=bf16-mixed",
+           "trainer.max_steps=4", "trainer.val_check_interval=2"]
+    metrics = train_cli(tmp_path / "run", *run)
+    assert metrics["global_step"] == 4
+    assert len(logged(tmp_path / "run", f"mean_accepted/{METHODS[method][1]}")) == 3
+    check_held(tmp_path / "run", strategy, "bf16-mixed")
+    check_export(method, tmp_path / "run" / "export", micro_dirs[0],
+                 load_file(Path(micro_dirs[0]) / "model.safetensors"))
 
 
 def test_data_parallelism_changes_nothing_but_speed(tmp_path):

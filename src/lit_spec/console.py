@@ -10,18 +10,34 @@ from pathlib import Path
 
 from lit_spec.config import config_dir
 
-# Raised inside a library, about the library's own code: silenced where they are raised, each with why.
+# Raised inside a library, about the library's own code: silenced where they are raised ("" for any module: Lightning's
+# rank_zero_warn names its caller, not itself), each with why.
 UNACTIONABLE_WARNINGS = [
     # Lightning's _pytree helper uses an API the installed torch deprecated; nothing here calls it
     (r".*isinstance\(treespec, LeafSpec\)` is deprecated", "lightning.pytorch.utilities._pytree"),
+    # DeepSpeed's ZeRO calls collectives the installed torch renamed
+    (r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", "torch.distributed"),
+    # a frozen base is in eval mode by design (FrozenBaseModule.train)
+    (r"Found \d+ module\(s\) in eval mode at the start of training", ""),
+    # the summary counts parameters; its MB estimate assumes 32 bits under any precision
+    (r"Precision .* is not supported by the model summary", ""),
+    # ThroughputMonitor reports tokens/s; no method counts FLOPs (MethodModule.flops_per_batch), so no MFU either
+    (r"FLOPs not found for", ""),
+    # Lightning's barrier() on NCCL, before a device is bound to the process group: harmless, nothing to set
+    (r".*barrier\(\).*using the device under current context", "torch.distributed"),
+    # the batches are tensors in memory (data.num_workers sets workers where a dataset needs them)
+    (r"The '\w+_dataloader' does not have many workers", ""),
 ]
 
 
 def _not_a_tip(record: logging.LogRecord) -> bool:
     # Lightning's ads for litlogger / litmodels, and its note that it skips its default model summary for ours
     # (callbacks=default's; turning enable_model_summary off instead would change every cached stage's key)
+    # and its Tensor Cores hint, which float32_matmul_precision (train.yaml) answers: it shows for 'highest' too,
+    # the default chosen on purpose (TF32 would make fp32 decoding inexact)
     message = record.getMessage()
-    return "💡 Tip:" not in message and "Skipping setting a default `ModelSummary`" not in message
+    return not any(tip in message for tip in ("💡 Tip:", "Skipping setting a default `ModelSummary`",
+                                              "that has Tensor Cores"))
 
 
 def _not_cpu_fallback(record: logging.LogRecord) -> bool:

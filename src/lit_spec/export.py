@@ -1,23 +1,22 @@
 """Export the trained model with ``save_pretrained``, whatever strategy trained it.
 
-Replicated weights (single device, DDP, DeepSpeed ZeRO-1/2) are saved straight from rank 0. Sharded weights are
-first consolidated: DeepSpeed ZeRO-3 through a checkpoint and DeepSpeed's own
-``convert_zero_checkpoint_to_fp32_state_dict``, FSDP2 (``ModelParallelStrategy``) by gathering the full state dict
-onto rank 0's CPU; rank 0 writes from that.
+Whole full-precision weights (one device, DDP) are saved straight from rank 0. Under DeepSpeed (its fp32 masters,
+not the bf16 weights) and FSDP2 the exported part alone (a fine-tuned model, heads, maps, a draft; never a frozen
+base) is consolidated onto rank 0's CPU one parameter at a time, with no scratch checkpoint; rank 0 writes from that.
+Either way the export is in the model's own dtype (``model.dtype``), whatever the strategy and precision.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from lit_spec.errors import ConfigError
 from lit_spec.io import atomic_dir, check_writable, write_json
-from lit_spec.strategies import weights_sharded
+from lit_spec.strategies import full_precision, gathered, weights_sharded
 
 MARK = "lit_spec_export.json"        # in every export: what wrote it; only a directory holding one is replaced
 
@@ -36,30 +35,30 @@ def check_export_dir(directory: str | Path) -> None:
     check_writable(directory.parent, "export_dir (its parent)")
 
 
-def consolidated_state_dict(trainer: L.Trainer, scratch: Path) -> dict | None:
-    """The full state dict of the LightningModule's sharded weights on rank 0 (None elsewhere); every rank calls it."""
+def consolidated_state_dict(trainer: L.Trainer, module) -> dict | None:
+    """The exported part's full state dict (keys ``<exported>.*``) on rank 0, one parameter gathered at a time, in
+    full precision: DeepSpeed's fp32 masters where it keeps them. None elsewhere, and where the live weights are the
+    whole full-precision ones already (one device, DDP, FSDP2 off). Every rank calls it."""
     strategy = trainer.strategy
-    if isinstance(strategy, DeepSpeedStrategy):
-        from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
-
-        trainer.save_checkpoint(scratch / "zero")
+    if not (isinstance(strategy, DeepSpeedStrategy) or weights_sharded(strategy)):
+        return None
+    name, state = module.exported, {}
+    for key, value in getattr(module, module.exported).state_dict(keep_vars=True).items():
+        if isinstance(value, torch.nn.Parameter):
+            master = full_precision(value)
+            if master is None:
+                with gathered([value]) as (whole,):
+                    master = whole.detach().clone()
+            value = master
         if trainer.is_global_zero:
-            convert_zero_checkpoint_to_fp32_state_dict(scratch / "zero", scratch / "full.ckpt")
-            return torch.load(scratch / "full.ckpt", map_location="cpu", weights_only=False)["state_dict"]
-    elif isinstance(strategy, ModelParallelStrategy):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(trainer.lightning_module, options=StateDictOptions(full_state_dict=True,
-                                                                                         cpu_offload=True))
-        return state if trainer.is_global_zero else None
-    return None
+            state[f"{name}.{key}"] = value.detach().to("cpu", copy=True)
+    return state if trainer.is_global_zero else None
 
 
 def export_pretrained(trainer: L.Trainer, module, directory: str | Path) -> Path | None:
     """Write ``module.export`` atomically into ``directory``; returns it on rank 0."""
     directory = Path(directory)
-    scratch = directory.parent / f".{directory.name}-consolidate"
-    state = consolidated_state_dict(trainer, scratch) if weights_sharded(trainer.strategy) else None
+    state = consolidated_state_dict(trainer, module)
     trainer.strategy.barrier("export")
     if not trainer.is_global_zero:
         return None
@@ -68,5 +67,4 @@ def export_pretrained(trainer: L.Trainer, module, directory: str | Path) -> Path
         module.export(tmp, state_dict=state)
         write_json(tmp / MARK, {"method": type(module).__name__, "global_step": trainer.global_step,
                                 "run": str(trainer.default_root_dir)})
-    shutil.rmtree(scratch, ignore_errors=True)
     return directory

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -75,6 +75,7 @@ class Stage:
     check: Callable[[], None] = lambda: None
     damage: Callable[[], str | None] = lambda: None
     workdir: Path | None = None
+    needs: list[Path] = field(default_factory=list)    # the outputs of the stages it is built from
 
     def status(self) -> str:
         return "cached" if self.built() else "interrupted earlier: resuming" if self.started() else "not cached"
@@ -218,9 +219,10 @@ def _target_paths(tree, path: str = "") -> list[str]:
     return here + [p for key, value in tree.items() if key != "hydra" for p in _target_paths(value, f"{path}{key}.")]
 
 
-def find_stages(cfg: DictConfig) -> list[Stage]:
-    """Every stage ``cfg`` (a whole config, or one node of it such as ``cfg.model``) names, each once, a stage's own stages before it; each stage's output path is written
-    into its node (``open_dict``), so what ``cfg`` builds afterwards reads the cached output."""
+def find_stages(cfg: DictConfig, named: list[Path] | None = None) -> list[Stage]:
+    """Every stage ``cfg`` (a whole config, or one node of it such as ``cfg.model``) names, each once, a stage's own
+    stages before it; each stage's output path is written into its node (``open_dict``), so what ``cfg`` builds
+    afterwards reads the cached output. ``named`` receives the outputs of the stages ``cfg`` itself names."""
     stages: dict[Path, Stage] = {}
     for path in _target_paths(OmegaConf.to_container(cfg, resolve=False)):
         node = OmegaConf.select(cfg, path) if path else cfg
@@ -228,8 +230,11 @@ def find_stages(cfg: DictConfig) -> list[Stage]:
         if kind is None:
             continue
         stage = KINDS[kind](node)          # the key is computed before nested stages fill in their paths
-        for found in [*(find_stages(stage.config) if stage.config is not None else []), stage]:
+        upstream = find_stages(stage.config, stage.needs) if stage.config is not None else []
+        for found in [*upstream, stage]:
             stages.setdefault(found.output, found)
+        if named is not None:
+            named.append(stage.output)
         with open_dict(node):
             node[OUTPUT_KEY.get(kind, "name_or_path")] = str(stage.output)
             if kind is HFModelSpec:
@@ -237,9 +242,22 @@ def find_stages(cfg: DictConfig) -> list[Stage]:
     return list(stages.values())
 
 
-def build_stages(stages: list[Stage]) -> list[Stage]:
+def needed(stages: list[Stage], named: list[Path]) -> list[Stage]:
+    """The stages a run needs: those it names, and the stages a missing one is built from (a cached stage needs
+    nothing upstream)."""
+    wanted = set(named)
+    for stage in reversed(stages):          # a stage's own stages come before it
+        if stage.output in wanted and not stage.built():
+            wanted.update(stage.needs)
+    return [stage for stage in stages if stage.output in wanted]
+
+
+def build_stages(stages: list[Stage], named: list[Path] | None = None) -> list[Stage]:
     """Build every stage that is not cached, in order, logging one line per stage; every missing stage's check runs
-    before the first build."""
+    before the first build. ``named``: the stages the run names (``find_stages``); upstream of a cached one is
+    skipped."""
+    if named is not None:
+        stages = needed(stages, named)
     for stage in stages:
         damage = stage.built() and stage.damage()
         if damage:
@@ -266,7 +284,8 @@ def build_stages(stages: list[Stage]) -> list[Stage]:
 
 def ensure_stages(cfg: DictConfig) -> list[Stage]:
     """``cfg``'s stages found (paths filled in) and built where missing."""
-    return build_stages(find_stages(cfg))
+    named: list[Path] = []
+    return build_stages(find_stages(cfg, named), named)
 
 
 def describe(stages: list[Stage]) -> str:
@@ -278,10 +297,11 @@ def main(cfg: DictConfig) -> None:
     """``python -m lit_spec.stages [overrides]``: list a config's stages, then build the missing ones (``+list=true``:
     list only). ``--config-name bench`` or ``collect`` for those commands' configs."""
     with one_line_errors():
-        stages = find_stages(cfg)
+        named: list[Path] = []
+        stages = find_stages(cfg, named)
         print(describe(stages))
         if not cfg.get("list"):
-            build_stages(stages)
+            build_stages(stages, named)
             print(describe(stages))
 
 

@@ -114,6 +114,59 @@ def whole_parameters(module: torch.nn.Module):
             unit.reshard()
 
 
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+@contextmanager
+def gathered(params: list[torch.nn.Parameter]):
+    """Yields the whole tensors of ``params`` (ZeRO-3 partitions gathered, FSDP2 shards made full, others as they
+    are), whole only inside: a caller gathers a few at a time, never the whole model."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if partitioned:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(partitioned):
+            yield [p.data for p in params]
+    else:
+        yield [p.full_tensor() if _is_dtensor(p) else p.data for p in params]
+
+
+def full_precision(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """A trained parameter's whole fp32 master where DeepSpeed keeps one apart from the (bf16) weight, gathered
+    (collective under ZeRO-1/2/3: every rank calls it); None for any other parameter."""
+    if not param.requires_grad or not (hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")):
+        return None
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return safe_get_full_fp32_param(param)
+
+
+def whole_numel(param: torch.nn.Parameter) -> int:
+    """A parameter's number of elements, whole (ZeRO-3 keeps it in ``ds_numel``; a DTensor's numel is global)."""
+    return getattr(param, "ds_numel", param.numel())
+
+
+@torch.no_grad()
+def copy_whole(source: torch.nn.Module, target: torch.nn.Module, only_trained: bool = False) -> None:
+    """Copy ``source``'s weights and buffers, whole and in their own dtypes, into ``target``, a plain module of the same
+    structure; one submodule's parameters are gathered at a time (collective: every rank calls it). ``only_trained``:
+    the parameters that require grad (a frozen base's are copied once)."""
+    params = dict(target.named_parameters(remove_duplicate=False))
+    buffers = dict(target.named_buffers(remove_duplicate=False))
+    for prefix, module in source.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad or not only_trained]
+        with gathered([p for _, p in own]) as whole:
+            for (name, _), tensor in zip(own, whole):
+                params[dot + name].data = tensor.detach().to(params[dot + name].device, copy=True)
+        for name, buffer in module.named_buffers(recurse=False):
+            if dot + name in buffers:
+                buffers[dot + name].data = buffer.detach().to(buffers[dot + name].device, copy=True)
+
+
 @contextmanager
 def unpartitioned_init():
     """Modules built inside are not partitioned as they are built, even within ``deepspeed.zero.Init`` (their own

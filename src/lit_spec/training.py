@@ -26,6 +26,7 @@ from lit_spec.export import check_export_dir, export_pretrained
 from lit_spec.io import launch_rank, write_json
 from lit_spec.loggers import finish_wandb
 from lit_spec.models.spec import model_shape
+from lit_spec.precision import check_policy, precision_policy
 from lit_spec.run_dir import check_run_dir
 from lit_spec.stages import ensure_stages
 
@@ -123,6 +124,8 @@ def check_checkpoint_model(path: Path, checkpoint: dict, model_spec) -> None:
                           f"({sizes}); resume with the model it was trained on")
 
 
+MATMUL_PRECISIONS = ("highest", "high", "medium")   # torch.set_float32_matmul_precision's
+
 # trainer settings that are counts: (minimum, may be null); Lightning's own -1 means "no limit" where it has one
 TRAINER_COUNTS = {"max_steps": (-1, False), "max_epochs": (-1, True), "num_nodes": (1, False),
                   "accumulate_grad_batches": (1, False), "log_every_n_steps": (1, False),
@@ -216,6 +219,10 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     """Fit ``cfg.method`` on ``cfg.data`` with ``cfg.trainer``; export to ``cfg.export_dir``; return final metrics."""
     check_count("seed", cfg.get("seed"), minimum=0, optional=True)
     check_trainer(cfg.trainer)
+    matmul = cfg.get("float32_matmul_precision", "highest")
+    if matmul not in MATMUL_PRECISIONS:
+        raise ConfigError(f"float32_matmul_precision={matmul!r}: choose one of {list(MATMUL_PRECISIONS)}")
+    torch.set_float32_matmul_precision(matmul)
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     check_hardware(cfg)
@@ -243,9 +250,12 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     trainer: L.Trainer = instantiate(cfg.trainer, _partial_=True)(
         callbacks=[*_instantiate_group(cfg.get("callbacks")), finish],
         logger=_instantiate_group(cfg.get("logger")) or False)
+    policy = precision_policy(trainer.strategy, trainer.precision)
+    check_policy(policy, type(trainer.strategy).__name__, trainer.precision)
     if trainer.is_global_zero:
         log.info("model %s | data %s | output %s", model_spec.name_or_path, datamodule.source.describe(),
                  cfg.paths.output_dir)
+        log.info("precision %s under %s: %s", trainer.precision, type(trainer.strategy).__name__, policy.describe())
         Path(cfg.paths.output_dir).mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, Path(cfg.paths.output_dir) / "config.yaml", resolve=True)
     try:

@@ -2,8 +2,9 @@
 
 At the end of training every rank counts the bytes of model parameters it holds (a ZeRO-3 partition, an FSDP2
 shard, or the whole model), of its optimizer (states, plus the fp32 master copies DeepSpeed's ZeRO optimizers keep
-of their partitions), its peak resident memory and its peak CUDA memory when there is a GPU, and the median time of
-a training step; it writes them to ``memory.rank<r>.json`` in the run directory and logs ``memory/*`` on rank 0.
+of their partitions), the dtypes of the frozen and trained weights and of the optimizer's masters (the precision
+policy, ``lit_spec.precision``, as it came out), its peak resident memory and its peak CUDA memory when there is a GPU,
+and the median time of a training step; it writes them to ``memory.rank<r>.json`` in the run directory and logs ``memory/*`` on rank 0.
 ``experiments/strategy_memory.py`` tabulates them per strategy.
 """
 
@@ -44,10 +45,14 @@ def _count(p: torch.Tensor) -> int:
     return p.shape.numel() if hasattr(p, "to_local") else p.numel()    # a DTensor's shape is the global one
 
 
-def optimizer_bytes(optimizer, params: list[torch.Tensor]) -> int:
-    """States of the optimizer that steps (through DeepSpeed's ZeRO wrapper to the torch or CPU Adam inside), plus
-    the master copies it steps that are not the model's own storage (ZeRO's fp32 partitions; none where the weights
-    are fp32 already and ZeRO steps them in place)."""
+def _dtypes(tensors) -> list[str]:
+    return sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
+
+
+def optimizer_held(optimizer, params: list[torch.Tensor]) -> tuple[int, list[str]]:
+    """Bytes of the states of the optimizer that steps (through DeepSpeed's ZeRO wrapper to the torch or CPU Adam
+    inside), plus the master copies it steps that are not the model's own storage (ZeRO's fp32 partitions; none where
+    the weights are fp32 already and ZeRO steps them in place); and the masters' dtypes."""
     zero = getattr(optimizer, "optimizer", optimizer)        # LightningOptimizer -> the configured or ZeRO optimizer
     inner = getattr(zero, "optimizer", zero)
     states = sum(_bytes(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
@@ -55,7 +60,7 @@ def optimizer_bytes(optimizer, params: list[torch.Tensor]) -> int:
                   []), *(p for g in inner.param_groups for p in g["params"])]
     model = {_storage(p) for p in params if _local(p).numel()}
     masters = {_storage(t): t for t in candidates if t.numel() and _storage(t) not in model}
-    return states + sum(_bytes(t) for t in masters.values())
+    return states + sum(_bytes(t) for t in masters.values()), _dtypes(masters.values())
 
 
 class MemoryMonitor(L.Callback):
@@ -76,13 +81,17 @@ class MemoryMonitor(L.Callback):
             if isinstance(unit, FSDPModule):  # forward with no backward (the last validation's)
                 unit.reshard()
         params = list(pl_module.parameters())
+        held = [optimizer_held(o, params) for o in trainer.optimizers]
         report = {
             "rank": trainer.global_rank, "world_size": trainer.world_size,
             "strategy": type(trainer.strategy).__name__,
             "param_count": sum(_count(p) for p in params),
             "trainable_count": sum(_count(p) for p in params if p.requires_grad),
             "params_mb": sum(_bytes(p) for p in params) / MB,
-            "optimizer_mb": sum(optimizer_bytes(o, params) for o in trainer.optimizers) / MB,
+            "optimizer_mb": sum(b for b, _ in held) / MB,
+            "dtypes": {"frozen": _dtypes(p for p in params if not p.requires_grad),
+                       "trained": _dtypes(p for p in params if p.requires_grad),
+                       "masters": sorted({d for _, dtypes in held for d in dtypes})},
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,   # Linux reports KiB
             "step_s": statistics.median(self.step_times[1:] or self.step_times or [0.0]),   # the first one warms up
         }

@@ -23,12 +23,17 @@ for a decoder (CLLM: Jacobi; Chimera, Hidden Transfer: their tree decoders) plug
 ``extra_decoders`` adds any registered decoder over the same model. From the datamodule it uses only
 ``eval_records(split, n)``, ``tokenizer`` and ``metric``.
 
-Every rank decodes the same prompts (under ZeRO-3 every forward is collective); only rank zero writes to loggers.
+Every rank decodes the same prompts; only rank zero writes to loggers. Where the weights are sharded (ZeRO-3, FSDP2)
+the decoders run on a plain copy of the module, refreshed from the gathered weights at every measurement (one submodule
+gathered at a time): through DeepSpeed's per-module hooks every one-token forward costs ~6-15x more. The copy costs
+the whole model's weights once more per rank; where that does not fit (``decode_copy=auto``: 80% of the free device
+memory, or of this rank's share of the free RAM on CPU) the decoders run on the sharded model, collectively, as before.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import lightning as L
@@ -41,7 +46,7 @@ from lit_spec.decoding import DECODERS, Decoder
 from lit_spec.drift import HELDOUT, answer_nll, check_drift_data, compare_answers, drift_records
 from lit_spec.errors import ConfigError
 from lit_spec.measure import EXTRAS, Run, build_decoders, compare, decode_prompts, eval_mode
-from lit_spec.strategies import whole_parameters
+from lit_spec.strategies import copy_whole, weights_sharded, whole_numel, whole_parameters
 
 log = logging.getLogger(__name__)
 
@@ -89,17 +94,20 @@ class SpeedupCallback(L.Callback):
             params picks the decoder under another name (``{jacobi32: {method: jacobi, n_tokens: 32}}``).
         drift_data: ``{set name: data config name}``: answer sets whose NLL is logged as ``drift/nll/SET`` (all
             records of the data config's evaluation split), beside the held-out records' own.
+        decode_copy: where the weights are sharded, decode a plain copy (``true``), the sharded model itself
+            (``false``), or the copy where it fits in memory (``auto``).
     """
 
     def __init__(self, num_prompts: int = 8, max_new_tokens: int = 64, split: str = "validation",
                  at_train_start: bool = True, every_n_validations: int = 1, extra_decoders: dict | None = None,
-                 drift_data: dict | None = None):
+                 drift_data: dict | None = None, decode_copy: bool | str = "auto"):
         self.num_prompts, self.max_new_tokens, self.split = num_prompts, max_new_tokens, split
         self.at_train_start, self.every_n_validations = at_train_start, every_n_validations
         if isinstance(extra_decoders, DictConfig):
             extra_decoders = OmegaConf.to_container(extra_decoders, resolve=True)
         self.extra_decoders = {name: dict(params or {}) for name, params in (extra_decoders or {}).items()}
-        self.drift_data = drift_data
+        self.drift_data, self.decode_copy = drift_data, decode_copy
+        self.copy: L.LightningModule | None = None   # the plain copy the decoders run on (sharded weights only)
         self.records: list[dict] | None = None
         self.answer_sets: dict[str, list[dict]] = {}    # set name -> records whose answers' NLL is logged
         self.tokenizer = None
@@ -126,11 +134,41 @@ class SpeedupCallback(L.Callback):
                 raise ConfigError("callbacks.speedup.extra_decoders: 'ar' is the baseline, always measured; "
                                   "give the entry another name and `method: ar`")
         self.drift_data = check_drift_data(self.drift_data, "callbacks.speedup.drift_data")
+        if self.decode_copy not in (True, False, "auto"):
+            raise ConfigError(f"callbacks.speedup.decode_copy={self.decode_copy!r}: true, false or auto")
+
+    def _copy_fits(self, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
+        """Whether a whole copy of the module's weights fits in 80% of this rank's free memory."""
+        need = sum(whole_numel(p) * p.element_size() for p in pl_module.parameters())
+        if pl_module.device.type == "cuda":
+            free = torch.cuda.mem_get_info(pl_module.device)[0]
+        else:   # the ranks of a node share its RAM
+            import psutil
+
+            free = psutil.virtual_memory().available // max(1, trainer.num_devices)
+        return need <= 0.8 * free
+
+    def _decoding_module(self, trainer: L.Trainer, pl_module: L.LightningModule) -> L.LightningModule:
+        """The module the decoders run on, its weights those of ``pl_module`` now: a plain copy where the weights
+        are sharded (built at first use, then only what trains is copied again), else ``pl_module`` itself."""
+        if self.copy is None and weights_sharded(trainer.strategy) and (
+                self.decode_copy is True or (self.decode_copy == "auto" and self._copy_fits(trainer, pl_module))):
+            copy = type(pl_module)(**pl_module.hparams)     # as load_from_checkpoint builds it: no trainer, no hooks
+            copy.policy = pl_module.policy                   # built in the live weights' dtypes
+            copy.build_models()
+            copy_whole(pl_module, copy.to(pl_module.device))
+            self.copy = copy.eval()
+            log.info("speedup callback: decoding a plain copy of the sharded model (decode_copy=%s)", self.decode_copy)
+        elif self.copy is not None:
+            copy_whole(pl_module, self.copy, only_trained=True)
+        return self.copy or pl_module
 
     def _prepare(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """At first use (the model exists only after ``configure_model``): prompts, decoders, one warm-up decode."""
         if self.decoders is not None:
             return
+        if weights_sharded(trainer.strategy) and self.copy is None:
+            log.info("speedup callback: decoding the sharded model collectively (decode_copy=%s)", self.decode_copy)
         dm = trainer.datamodule
         for split in dict.fromkeys([self.split, "test", "train"]):
             self.records = dm.eval_records(split, self.num_prompts)
@@ -164,12 +202,13 @@ class SpeedupCallback(L.Callback):
         """Decode the prompts with every decoder (AR only: ``only_ar``) and score every answer set's NLL, the
         module in eval mode (each submodule's mode restored after)."""
         self.tokenizer = trainer.datamodule.tokenizer
-        with eval_mode(pl_module), whole_parameters(pl_module):   # ZeRO-3, FSDP: every rank uses the whole model
-            self._prepare(trainer, pl_module)
+        module = self._decoding_module(trainer, pl_module)
+        # the sharded model itself: every rank uses it whole, every forward collective
+        with eval_mode(module), whole_parameters(module) if module is pl_module else nullcontext():
+            self._prepare(trainer, module)
             decoders = {"ar": self.decoders["ar"]} if only_ar else self.decoders
-            runs = self._decode(decoders, self.records, pl_module.device)
-            nll = {name: answer_nll(pl_module.model, records, pl_module.device)
-                   for name, records in self.answer_sets.items()}
+            runs = self._decode(decoders, self.records, module.device)
+            nll = {name: answer_nll(module.model, records, module.device) for name, records in self.answer_sets.items()}
         return runs, nll
 
     def measure(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
@@ -236,8 +275,8 @@ class SpeedupCallback(L.Callback):
         if self.validations % self.every_n_validations:
             return
         for name, value in self.measure(trainer, pl_module).items():
-            # every rank logs its own (identical) value: no collective sync, so monitors see it on every rank
-            pl_module.log(name, value, sync_dist=False, rank_zero_only=True)
+            # every rank measured the same prompts: τ and exact are equal, the times are averaged over the ranks
+            pl_module.log(name, value, sync_dist=True)
 
     # ---- state ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -70,7 +70,7 @@ class HeadsModule(FrozenBaseModule):
         raise NotImplementedError
 
     def build_trainable(self) -> DraftHeads:
-        return self.build_heads(self.model.config).init_from_base(self.model).to(self.model.device)
+        return self.build_heads(self.model.config).init_from_base(self.model)
 
     # ---- losses ---------------------------------------------------------------------------------------------
     def _base(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -32,7 +32,9 @@ class FrozenBaseModule(MethodModule):
             self.model = self.model_spec.load_model().eval().requires_grad_(False)
         if getattr(self, self.exported) is None:
             with unpartitioned_init(), whole_parameters(self.model):   # built from the base's own weights
-                setattr(self, self.exported, self.build_trainable())
+                part = self.build_trainable()
+            # in the policy's dtype: under ZeRO-3 DeepSpeed casts nothing once the base is partitioned
+            setattr(self, self.exported, part.to(device=self.model.device, dtype=self.policy.trained))
 
     def train(self, mode: bool = True):
         super().train(mode)

@@ -42,7 +42,7 @@ class HiddenTransferModule(FrozenBaseModule):
     def build_trainable(self) -> HiddenTransfer:
         config = self.model.config
         transfer = HiddenTransfer(config.hidden_size, config.vocab_size, self.hparams.layers, self.hparams.masked)
-        return transfer.init_from_base(self.model).to(self.model.device)
+        return transfer.init_from_base(self.model)
 
     def decoders(self) -> dict:
         return {"hidden_transfer": HiddenTransferDecoder(self.model, self.heads, tree=self.hparams.tree)}

@@ -15,6 +15,7 @@ from lit_spec.data import AnswerBatches
 from lit_spec.methods.optim import build_optimizer, check_optim
 from lit_spec.models import spec_from_dict
 from lit_spec.models.spec import model_shape
+from lit_spec.precision import PrecisionPolicy, precision_policy
 from lit_spec.strategies import fully_shard_model
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class MethodModule(L.LightningModule):
         self.save_hyperparameters(ignore=["model_spec"])
         self.hparams["model_spec"] = self.model_spec.to_dict()
         self.model: torch.nn.Module | None = None
+        self._policy: PrecisionPolicy | None = None
 
     def configure_model(self) -> None:
         """Build the models (``build_models``); under ``strategy=fsdp`` (Lightning's ``ModelParallelStrategy``) shard
@@ -56,9 +58,22 @@ class MethodModule(L.LightningModule):
         if self._device_mesh is not None:
             fully_shard_model(getattr(self, self.exported), self._device_mesh["data_parallel"])
 
+    @property
+    def policy(self) -> PrecisionPolicy:
+        """The dtypes of this run's parts (``lit_spec.precision``); outside a trainer, fp32 as on one CPU, unless
+        set (a module built to mirror one inside a trainer takes that one's policy)."""
+        if self._policy is not None:
+            return self._policy
+        trainer = self._trainer
+        return precision_policy(trainer.strategy if trainer else None, trainer.precision if trainer else None)
+
+    @policy.setter
+    def policy(self, policy: PrecisionPolicy) -> None:
+        self._policy = policy
+
     def build_models(self) -> None:
-        if self.model is None:
-            self.model = self.model_spec.load_model().train()  # from_pretrained returns eval mode
+        if self.model is None:   # from_pretrained returns eval mode
+            self.model = self.model_spec.load_model(self.policy.trained).train()
 
     def decoders(self) -> dict[str, Decoder]:
         """The fast decoders this method trains the model for, by name, built over ``self.model`` (e.g. CLLM's

@@ -154,8 +154,9 @@ class HFModelSpec:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
 
-    def load_model(self) -> torch.nn.Module:
-        kwargs = self._load_kwargs() | {"dtype": DTYPES[self.dtype]}
+    def load_model(self, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """The model in ``dtype`` (a trained model: the precision policy's), else in ``model.dtype``."""
+        kwargs = self._load_kwargs() | {"dtype": dtype or DTYPES[self.dtype]}
         if self.attn_implementation:
             kwargs["attn_implementation"] = self.attn_implementation
         if self.keep_layers is not None:      # a config override: the later layers' weights are not loaded
@@ -169,7 +170,10 @@ class HFModelSpec:
                               "size mismatch, listed above: e.g. vocab_size); use the config the weights were saved "
                               "with") from None
         if self.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):   # transformers >= 5.2x's name for it
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
         return model
 

@@ -1,0 +1,81 @@
+"""Every paper experiment that targets GPUs, rehearsed on 2 CPU processes as the GPU would run it: the experiment's own
+strategy, precision, gradient accumulation, validation interval, speedup callback with its decoders, logger (W&B,
+offline) and method settings. Only what cannot run here is swapped: the model (a micro Llama; a draft student and
+transfer layers sized to it), the data (stdlib-code, or written trajectories of its block size), the accelerator (cpu)
+and the sizes (steps, records, prompts decoded). An experiment added under conf/experiment/ with a GPU trainer is
+rehearsed here without editing this file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.utils import get_class
+
+from conftest import MICRO_MODEL
+from lit_spec.config import compose_config, config_dir
+from lit_spec.data.trajectory_data import JacobiTrajectories
+from test_cllm import write_trajectories
+from test_draft_distill import STUDENT
+from test_sharded_training import train_cli
+
+pytestmark = pytest.mark.distributed
+
+# what a GPU run printed and a user could do nothing about (issue: "a GPU log a user can read")
+NOISE = ["sync_dist=True", "is not supported by the model summary", "FutureWarning", "eval mode at the start of",
+         "does not have many workers", "FLOPs not found", "that has Tensor Cores"]
+
+
+def gpu_experiments() -> list[str]:
+    experiments = sorted(p.stem for p in (config_dir() / "experiment").glob("*.yaml"))
+    return [name for name in experiments if _composed(name) is not None]
+
+
+def _composed(name: str):
+    """The experiment's train config when it is a training run on GPUs (a benchmark experiment does not compose
+    with train.yaml; a CPU quickstart is run by the other tests)."""
+    try:
+        cfg = compose_config([f"+experiment={name}"])
+    except Exception:
+        return None
+    return cfg if cfg.trainer.get("accelerator") in ("gpu", "cuda") else None
+
+
+def swaps(name: str, tmp_path: Path) -> list[str]:
+    """The overrides that bring experiment ``name`` to this machine: model, data, accelerator and sizes only."""
+    cfg = _composed(name)
+    run = [*MICRO_MODEL, "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=4",
+           "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false"]
+    if "speedup" in cfg.callbacks:
+        run += ["callbacks.speedup.num_prompts=2", "callbacks.speedup.max_new_tokens=8"]
+    if issubclass(get_class(cfg.data._target_), JacobiTrajectories):
+        # CLLM and Jacobi Forcing: the micro model's trajectories, in blocks of 3 (method.n_tokens must fit them)
+        traj = write_trajectories(tmp_path / "traj", train=8, validation=4)   # ids < 512
+        run += [f"data.path={traj}", "method.n_tokens=3", "data.max_context_tokens=null"]
+        if "noise_window" in cfg.data:
+            run.append("data.noise_window=2")
+    else:
+        run += ["data=stdlib_code", "data.max_train_samples=64", "data.max_eval_samples=16",
+                "data.max_prompt_tokens=64", "data.max_answer_tokens=32"]
+    if "stage" in cfg.model:        # a round's model is the previous round's export: the micro model instead
+        run.append("~model.stage")
+    if "student" in cfg.method:
+        run += STUDENT
+    if "layers" in cfg.method:      # transfer layers of the micro model's 2
+        run.append(f"method.layers=[{','.join(str(min(t, 2)) for t in cfg.method.layers)}]")
+    return run
+
+
+@pytest.mark.parametrize("name", gpu_experiments())
+def test_paper_experiment_runs_as_on_gpus(name, tmp_path):
+    run_dir = tmp_path / "run"
+    metrics = train_cli(run_dir, f"+experiment={name}", *swaps(name, tmp_path))
+    assert metrics["global_step"] >= 1
+    cfg = _composed(name)
+    if "speedup" in cfg.callbacks:
+        assert "tokens_per_s/ar" in metrics, "the speedup callback measured after a validation"
+    if "wandb" in cfg.logger:
+        assert list(run_dir.rglob("*.wandb")), "the W&B run was written (offline)"
+    log = (tmp_path / "run.log").read_text()
+    assert not [line for line in log.splitlines() if any(n in line for n in NOISE)]
