@@ -18,7 +18,7 @@ from lit_spec.data import SelfDistilledDataModule, TrajectoryDataModule
 from lit_spec.data.datamodule import IGNORE_INDEX
 from lit_spec.data.trajectories import read_meta, read_records
 from lit_spec.errors import ConfigError, DataError
-from lit_spec.training import check_method_data
+from lit_spec.checks import check_method_data
 
 KEEP_ALL = "collect.filter=null"    # the micro model's answers loop: keep them all
 ANSWERS = ["collect.decoder=ar", KEEP_ALL]

@@ -194,6 +194,65 @@ def test_method_trains_and_exports_in_bf16_mixed(method, strategy, tmp_path, mic
                  load_file(Path(micro_dirs[0]) / "model.safetensors"))
 
 
+def test_the_decoding_copy_measures_what_the_sharded_model_measures(tmp_path):
+    """Under ZeRO-3 the speedup callback decodes a plain copy of the gathered weights: it measures the τ, exactness and
+    answer NLL that decoding the sharded model itself gives (every measurement), and at step 0, before any update,
+    what one process gives."""
+    common = [*method_run("cllm", tmp_path), *TWO_RANKS, "trainer.max_steps=4", "trainer.val_check_interval=2"]
+    keys = ["mean_accepted/jacobi", "exact_match/jacobi", "drift/nll/heldout"]
+    runs = {}
+    for name, extra in {"copy": ["callbacks.speedup.decode_copy=true"],
+                        "sharded": ["callbacks.speedup.decode_copy=false"]}.items():
+        train_cli(tmp_path / name, *common, *strategy_run("deepspeed_zero3"), *extra)
+        runs[name] = {key: logged(tmp_path / name, key) for key in keys}
+        assert len(runs[name]["mean_accepted/jacobi"]) == 3
+    assert runs["copy"] == runs["sharded"]
+    train_cli(tmp_path / "one", *common, "trainer.devices=1")
+    one = {key: logged(tmp_path / "one", key)[0][1] for key in keys}
+    assert {key: values[0][1] for key, values in runs["copy"].items()} == pytest.approx(one, rel=1e-5)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_through_torchrun(tmp_path, micro_dirs):
+    """``trainer.num_nodes=2``, rehearsed on one machine: two "nodes" of one process each, each started by its own
+    ``torchrun`` (as a user starts one per node; Lightning reads torchrun's environment), ZeRO-3, over localhost.
+    They train as one run of 2 ranks: one directory, one metrics.json, one export, written by global rank 0."""
+    run_dir, port = tmp_path / "run", free_port()
+    overrides = [*MICRO_RUN, "trainer.num_nodes=2", "trainer.devices=1", "trainer.max_steps=4",
+                 "trainer.val_check_interval=2", *strategy_run("deepspeed_zero3"), f"hydra.run.dir={run_dir}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    nodes = []
+    for node in (0, 1):
+        log = open(tmp_path / f"node{node}.log", "w")
+        nodes.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+             f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "lit_spec.train",
+             *overrides], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True))
+    try:
+        codes = [node.wait(timeout=TIMEOUT_S) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    logs = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
+    assert codes == [0, 0], "\n".join(text[-3000:] for text in logs)
+    assert json.loads((run_dir / "metrics.json").read_text())["global_step"] == 4
+    for rank in (0, 1):       # each node's process is one rank of the world of 2, holding half of ZeRO-3's weights
+        held = json.loads((run_dir / f"memory.rank{rank}.json").read_text())
+        assert held["world_size"] == 2 and held["rank"] == rank
+    check_held(run_dir, "deepspeed_zero3")
+    check_export("ar", run_dir / "export", micro_dirs[0], load_file(Path(micro_dirs[0]) / "model.safetensors"))
+
+
 def test_data_parallelism_changes_nothing_but_speed(tmp_path):
     """2 ranks with batch b give one process's per-step losses and weights with batch 2b, under every strategy,
     across an epoch boundary. Every answer is cut to 8 tokens, so each rank's token-mean loss weighs its tokens as

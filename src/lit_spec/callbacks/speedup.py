@@ -12,6 +12,7 @@ before the first training step and kept in the callback's state, so a resumed ru
 changed outputs, the mean number of tokens still equal before the first differing one; logged once one changed);
 ``quality/<metric>`` when the datamodule names a task metric (``data.metric``), scoring the AR outputs against the
 dataset's answers (or by execution: ``pass_at_1``), and ``quality/<metric>/NAME`` for every other decoder's outputs.
+``time/measure_s``: what the measurement cost.
 
 Drift (``lit_spec.drift``), finer than any greedy output: ``drift/nll/heldout``, the mean NLL per token of the decoded
 records' dataset answers, ``drift/nll/SET`` for every ``drift_data`` set (all records of a data config's evaluation
@@ -33,6 +34,7 @@ memory, or of this rank's share of the free RAM on CPU) the decoders run on the 
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -213,9 +215,11 @@ class SpeedupCallback(L.Callback):
 
     def measure(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         """Decode, compute the metrics, keep them in ``last_metrics`` and ``history``; logging is the hooks' job."""
+        started = time.perf_counter()
         runs, nll = self._evaluate(trainer, pl_module)
         self._keep_original(runs["ar"].outputs, nll)
         metrics = self._speed(runs) | self._quality(runs, trainer.datamodule) | self._drift(nll)
+        metrics["time/measure_s"] = time.perf_counter() - started    # the whole measurement: copy, decodes, NLLs
         self.last_metrics = metrics
         self.history.append((trainer.global_step, metrics))
         if trainer.is_global_zero:

@@ -40,7 +40,7 @@ from lit_spec.data.trajectories import (LOCK, META, check_parts, done_batches, p
 from lit_spec.errors import ConfigError, DataError, Interrupted, signal_of
 from lit_spec.io import check_writable, one_writer
 from lit_spec.stages import build_stages, find_stages
-from lit_spec.training import check_trainer
+from lit_spec.checks import check_trainer
 
 log = logging.getLogger(__name__)
 
