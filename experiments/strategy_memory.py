@@ -50,12 +50,16 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    print("| strategy | params/rank (MB) | optimizer/rank (MB) | peak RSS/rank (MB) | step (s) |")
-    print("|---|---|---|---|---|")
+    print("| strategy | trained / masters dtype | params/rank (MB) | optimizer/rank (MB) | peak RSS/rank (MB) "
+          "| step (s) |")
+    print("|---|---|---|---|---|---|")
     for strategy in args.strategies:
         ranks = run(args.out, strategy, args.overrides)
         cell = lambda key, fmt="{:.1f}": " / ".join(fmt.format(r[key]) for r in ranks)   # noqa: E731
-        print(f"| {strategy} | {cell('params_mb')} | {cell('optimizer_mb')} | {cell('peak_rss_mb', '{:.0f}')} | "
+        dtypes = ranks[0]["dtypes"]
+        held = f"{'+'.join(dtypes['trained'])} / {'+'.join(dtypes['masters']) or 'the weights'}"
+        print(f"| {strategy} | {held} | {cell('params_mb')} | {cell('optimizer_mb')} | "
+              f"{cell('peak_rss_mb', '{:.0f}')} | "
               f"{cell('step_s', '{:.2f}')} |", flush=True)
     print(f"\nPredicted GB per GPU for {args.predict_params:.3g} parameters on {args.predict_gpus} GPUs "
           "(weights + gradients + Adam; ZeRO-3 offload keeps them in CPU memory):")
