@@ -66,7 +66,7 @@ def fully_shard_model(model: torch.nn.Module, mesh) -> None:
     """FSDP2 over ``mesh``: every repeated block a unit of its own (a transformers model's decoder layers, named by
     its ``_no_split_modules``; otherwise the members of each ``nn.ModuleList``, e.g. draft heads), then the model as a
     whole. A model already sharded (``configure_model`` called again) is left as it is."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
     from transformers import PreTrainedModel
 
     if isinstance(model, FSDPModule):
@@ -79,6 +79,8 @@ def fully_shard_model(model: torch.nn.Module, mesh) -> None:
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    for name in getattr(model, "forward_methods", ()):    # entry points besides forward (Chimera's head_inputs)
+        register_fsdp_forward_method(model, name)
 
 
 def weights_sharded(strategy) -> bool:

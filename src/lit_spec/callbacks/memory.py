@@ -4,8 +4,8 @@ At the end of training every rank counts the bytes of model parameters it holds 
 shard, or the whole model), of its optimizer (states, plus the fp32 master copies DeepSpeed's ZeRO optimizers keep
 of their partitions), the dtypes of the frozen and trained weights and of the optimizer's masters (the precision
 policy, ``lit_spec.precision``, as it came out), its peak resident memory and its peak CUDA memory when there is a GPU,
-and the median time of a training step; it writes them to ``memory.rank<r>.json`` in the run directory and logs ``memory/*`` on rank 0.
-``experiments/strategy_memory.py`` tabulates them per strategy.
+and the median time of a training step; it writes them to ``memory.rank<r>.json`` in the run directory and logs
+``memory/*`` on rank 0. ``experiments/strategy_memory.py`` tabulates them per strategy.
 """
 
 from __future__ import annotations
@@ -53,11 +53,14 @@ def optimizer_held(optimizer, params: list[torch.Tensor]) -> tuple[int, list[str
     """Bytes of the states of the optimizer that steps (through DeepSpeed's ZeRO wrapper to the torch or CPU Adam
     inside), plus the master copies it steps that are not the model's own storage (ZeRO's fp32 partitions; none where
     the weights are fp32 already and ZeRO steps them in place); and the masters' dtypes."""
-    zero = getattr(optimizer, "optimizer", optimizer)        # LightningOptimizer -> the configured or ZeRO optimizer
-    inner = getattr(zero, "optimizer", zero)
+    levels = [optimizer]         # LightningOptimizer -> the configured or ZeRO optimizer -> the torch or CPU Adam
+    while hasattr(levels[-1], "optimizer"):
+        levels.append(levels[-1].optimizer)
+    inner = levels[-1]
     states = sum(_bytes(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
-    candidates = [*getattr(zero, "fp32_partitioned_groups_flat", []), *getattr(zero, "single_partition_of_fp32_groups",
-                  []), *(p for g in inner.param_groups for p in g["params"])]
+    # ZeRO-3 keeps its fp32 partitions on its own optimizer (the inner Adam's groups may be swapped out), ZeRO-1/2 too
+    candidates = [t for level in levels for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups")
+                  for t in getattr(level, name, None) or []] + [p for g in inner.param_groups for p in g["params"]]
     model = {_storage(p) for p in params if _local(p).numel()}
     masters = {_storage(t): t for t in candidates if t.numel() and _storage(t) not in model}
     return states + sum(_bytes(t) for t in masters.values()), _dtypes(masters.values())

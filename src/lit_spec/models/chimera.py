@@ -95,6 +95,7 @@ class ChimeraDraft(DraftHeads):
     """Chimera's lightweight draft model (module docstring): n-gram encoder, full-context block, residual heads."""
 
     kind = "chimera"
+    forward_methods = ("head_inputs",)   # called in place of forward in training: FSDP2 gathers the weights for it
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, ngram: int = 3, residual: bool = True,
                  attention_heads: int = 4, ffn_size: int | None = None, eps: float = 1e-6,
