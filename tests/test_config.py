@@ -334,3 +334,13 @@ def test_an_unwritable_cache_dir_is_refused_before_any_stage(tmp_path):
     cfg = compose_config(["model=tiny_target", f"paths.cache_dir={tmp_path / 'a_file' / 'cache'}"])
     with pytest.raises(ConfigError, match=r"paths\.cache_dir \(LIT_SPEC_CACHE\)=.*cannot write there"):
         ensure_stages(cfg)
+
+
+def test_the_deepspeed_internals_we_use_are_there():
+    """``strategies.unpartitioned_init`` steps out of an open ``zero.Init`` through DeepSpeed's private module
+    functions; pyproject pins DeepSpeed to the range tested. An upgrade that renames them fails here, loudly."""
+    from deepspeed.runtime.zero import partition_parameters as zero
+    from deepspeed.utils import safe_get_full_fp32_param   # noqa: F401  (strategies.full_precision)
+
+    assert callable(zero.shutdown_init_context) and callable(zero.restore_init_context)
+    assert hasattr(zero, "top_level_context")

@@ -231,7 +231,8 @@ def test_micro_run_measures_speculative_decoding_of_the_teacher_and_resumes(micr
     metrics = run_training(cfg)
     assert metrics["global_step"] == 8
     assert metrics["exact_match/speculative"] == 1.0 and metrics["mean_accepted/speculative"] >= 1.0
-    assert 0.0 <= metrics["val/agreement"] <= 1.0 and metrics["val/kl"] > 0
+    # the student picks the teacher's greedy token on some answer positions, not all (16 hidden units against 32)
+    assert 0.0 < metrics["val/agreement"] < 1.0 and metrics["val/kl"] > 0
     with open(Path(cfg.paths.output_dir) / "csv" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert len([r for r in rows if r.get("train/kl") and r.get("train/agreement")]) == 8

@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_spec.errors import ConfigError, Interrupted
@@ -35,9 +36,11 @@ def test_ar_loss_goes_down_and_export_loads(micro_config, tmp_path):
     assert metrics["global_step"] == 24
     assert any(_logged(run, "train/device/items_per_sec")), "throughput (tokens/s) is logged"
 
-    # the export is a plain transformers checkpoint in safetensors
+    # the export is a plain transformers checkpoint in safetensors, of the trained weights (last.ckpt: step 24's)
     export = Path(cfg.export_dir)
-    assert (export / "model.safetensors").is_file()
+    exported = load_file(export / "model.safetensors")
+    state = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert exported and all(torch.equal(v, state[f"model.{k}"]) for k, v in exported.items())
     model = AutoModelForCausalLM.from_pretrained(export)
     tokenizer = AutoTokenizer.from_pretrained(export)
     ids = tokenizer("def add(a, b):", return_tensors="pt")["input_ids"]

@@ -13,7 +13,6 @@ from typing import get_args
 import torch
 from hydra.utils import get_class
 from lightning.fabric.connector import _PRECISION_INPUT
-from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from omegaconf import DictConfig, ListConfig
 
 from lit_spec.config import build
@@ -22,6 +21,7 @@ from lit_spec.export import check_export_dir
 from lit_spec.io import launch_rank
 from lit_spec.models.spec import model_shape
 from lit_spec.run_dir import check_run_dir
+from lit_spec.strategies import is_deepspeed, is_fsdp
 
 
 def check_run(cfg: DictConfig) -> dict | None:
@@ -94,8 +94,7 @@ def check_checkpoint(path: Path, cfg: DictConfig) -> dict:
     if not path.exists():
         raise ConfigError(f"ckpt_path={path}: no such checkpoint; pass a checkpoint from an earlier run's checkpoints/")
     strategy = _strategy_class(cfg)
-    wanted = ("deepspeed" if strategy and issubclass(strategy, DeepSpeedStrategy) else
-              "distributed" if strategy and issubclass(strategy, ModelParallelStrategy) else "file")
+    wanted = "deepspeed" if is_deepspeed(strategy) else "distributed" if is_fsdp(strategy) else "file"
     kind = _checkpoint_kind(path)
     if kind is None:
         raise ConfigError(f"ckpt_path={path}: a directory that holds no checkpoint; pass {RESUMES_FROM[wanted]} from "
@@ -126,7 +125,13 @@ def check_checkpoint(path: Path, cfg: DictConfig) -> dict:
 
 
 def check_checkpoint_model(path: Path, checkpoint: dict, model_spec) -> None:
-    """The checkpoint was trained on a model of this run's sizes (checked once the model's stage is built)."""
+    """The checkpoint was trained on a model of this run's sizes, and a frozen-base one on these very weights
+    (checked once the model's stage is built)."""
+    identity = checkpoint.get("base_identity")
+    if identity is not None and identity != model_spec.identity():
+        raise ConfigError(f"ckpt_path={path}: trained against another frozen base than {model_spec.name_or_path} "
+                          "(its config or weight files differ; the checkpoint holds the trained part only): resume "
+                          "with the model it was trained with")
     saved, wanted = checkpoint.get("model_shape"), model_shape(model_spec.load_config())
     differ = {k: (saved[k], wanted.get(k)) for k in (saved or {}) if saved[k] != wanted.get(k)}
     if differ:

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from lit_spec.errors import ConfigError
 from lit_spec.io import atomic_dir, check_writable, write_json
-from lit_spec.strategies import full_precision, gathered, weights_sharded
+from lit_spec.strategies import full_precision, gathered, is_deepspeed, weights_sharded
 
 MARK = "lit_spec_export.json"        # in every export: what wrote it; only a directory holding one is replaced
 
@@ -40,7 +39,7 @@ def consolidated_state_dict(trainer: L.Trainer, module) -> dict | None:
     full precision: DeepSpeed's fp32 masters where it keeps them. None elsewhere, and where the live weights are the
     whole full-precision ones already (one device, DDP, FSDP2 off). Every rank calls it."""
     strategy = trainer.strategy
-    if not (isinstance(strategy, DeepSpeedStrategy) or weights_sharded(strategy)):
+    if not (is_deepspeed(strategy) or weights_sharded(strategy)):
         return None
     name, state = module.exported, {}
     for key, value in getattr(module, module.exported).state_dict(keep_vars=True).items():

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_spec.strategies import is_deepspeed
+
 log = logging.getLogger(__name__)
 
 LOW = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
@@ -42,16 +44,12 @@ class PrecisionPolicy:
 def precision_policy(strategy, precision: str | int | None) -> PrecisionPolicy:
     """The policy for a strategy (a Lightning strategy instance or class) and a precision as Lightning names it
     (``bf16-mixed``, ``32-true``, ...; a bare ``bf16``/``16``/``32`` as Lightning reads it)."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
     text = str(precision or "32-true")
     if "-" not in text:
         text = f"{text}-{'true' if text in ('32', '64') else 'mixed'}"
     bits, mode = text.split("-", 1)
     dtype = LOW.get(bits, torch.float32)     # transformer-engine and the like: fp32 weights
-    deepspeed = isinstance(strategy, DeepSpeedStrategy) or (
-        isinstance(strategy, type) and issubclass(strategy, DeepSpeedStrategy))
-    if deepspeed and dtype in (torch.bfloat16, torch.float16):
+    if is_deepspeed(strategy) and dtype in (torch.bfloat16, torch.float16):
         return PrecisionPolicy(trained=dtype, masters=torch.float32, compute=dtype)
     if mode == "mixed":
         return PrecisionPolicy(trained=torch.float32, masters=None, compute=dtype)

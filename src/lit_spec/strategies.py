@@ -1,6 +1,7 @@
 """Sharded training on CUDA or on the CPU: Lightning's DeepSpeed strategy without its CUDA-only guard and with
 transformers' ZeRO-3 loading, FSDP2 sharding for Lightning's ``ModelParallelStrategy`` (``strategy=fsdp``), and the
-two helpers code needs around sharded weights (is a strategy sharding them; make them whole for a while).
+the one place that answers the sharding questions (is a strategy DeepSpeed, FSDP, sharding the weights, offloading
+the optimizer; what a rank holds of a tensor; make some weights whole for a while; DeepSpeed's fp32 masters).
 
 On CPU, DeepSpeed runs on its CPU accelerator with gloo between processes: slow, but the same engine, partitioning,
 checkpoints and collectives as on GPUs, so a run can be validated on CPU before it goes to GPUs. Two of Lightning's
@@ -83,25 +84,59 @@ def fully_shard_model(model: torch.nn.Module, mesh) -> None:
         register_fsdp_forward_method(model, name)
 
 
+# ---- the sharding questions, asked here alone ---------------------------------------------------------------------
+def _is(strategy, cls: type) -> bool:
+    """``strategy`` (an instance, or a class as a config names it) is a ``cls``."""
+    return isinstance(strategy, cls) or (isinstance(strategy, type) and issubclass(strategy, cls))
+
+
+def is_deepspeed(strategy) -> bool:
+    """DeepSpeed (any ZeRO stage): it keeps fp32 masters in its optimizer, and its checkpoints are directories."""
+    return _is(strategy, LightningDeepSpeedStrategy)
+
+
+def is_fsdp(strategy) -> bool:
+    """FSDP2 through Lightning's ``ModelParallelStrategy`` (``strategy=fsdp``)."""
+    return _is(strategy, ModelParallelStrategy)
+
+
 def weights_sharded(strategy) -> bool:
     """Whether each rank holds only part of the weights (DeepSpeed ZeRO-3, FSDP2): every forward is then collective,
     so all ranks must run the same forwards, and an export must gather the weights first."""
-    if isinstance(strategy, ModelParallelStrategy):
-        return True
-    return isinstance(strategy, LightningDeepSpeedStrategy) and strategy.zero_stage_3
+    return is_fsdp(strategy) or (isinstance(strategy, LightningDeepSpeedStrategy) and strategy.zero_stage_3)
+
+
+def offloads_optimizer(strategy) -> bool:
+    """DeepSpeed ZeRO-Offload: the optimizer steps on the CPU (with DeepSpeed's own Adam)."""
+    config = getattr(strategy, "config", None) or {}
+    return bool(config.get("zero_optimization", {}).get("offload_optimizer"))
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a tensor: its ZeRO-3 partition, its FSDP2 local shard, or itself."""
+    if hasattr(t, "ds_tensor"):
+        return t.ds_tensor
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def whole_shape(param: torch.nn.Parameter) -> torch.Size:
+    """A parameter's whole shape (ZeRO-3 partitions are flat and keep it in ``ds_shape``; a DTensor's is global)."""
+    return getattr(param, "ds_shape", param.shape)
 
 
 @contextmanager
-def whole_parameters(module: torch.nn.Module):
-    """Inside, the module's ZeRO-3 partitioned or FSDP2 sharded parameters are whole on every rank (read-only); code
-    that reads a weight directly (a slice of it, its shape) works as without sharding. Nothing happens otherwise."""
+def whole_parameters(*modules: torch.nn.Module):
+    """Inside, the modules' ZeRO-3 partitioned or FSDP2 sharded parameters are whole on every rank (read-only); code
+    that reads a weight directly (a slice of it, its shape) works as without sharding. Nothing happens otherwise.
+    Name only the submodules that are read: each rank then holds those whole, not the model."""
     from torch.distributed.fsdp import FSDPModule
 
-    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    units = list({id(m): m for module in modules for m in module.modules() if isinstance(m, FSDPModule)}.values())
     for unit in units:
         unit.unshard()
         unit.set_reshard_after_forward(False)
-    partitioned = [p for p in module.parameters() if hasattr(p, "ds_id")]   # ZeRO-3 parameters carry a DeepSpeed id
+    # ZeRO-3 parameters carry a DeepSpeed id; a tied one (embeddings and LM head) is gathered once
+    partitioned = list({id(p): p for module in modules for p in module.parameters() if hasattr(p, "ds_id")}.values())
     try:
         if partitioned:
             import deepspeed
@@ -147,8 +182,8 @@ def full_precision(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 def whole_numel(param: torch.nn.Parameter) -> int:
-    """A parameter's number of elements, whole (ZeRO-3 keeps it in ``ds_numel``; a DTensor's numel is global)."""
-    return getattr(param, "ds_numel", param.numel())
+    """A parameter's number of elements, whole (ZeRO-3 keeps it in ``ds_numel``; a DTensor's shape is global)."""
+    return getattr(param, "ds_numel", None) or whole_shape(param).numel()
 
 
 @torch.no_grad()

@@ -19,30 +19,18 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from lit_spec.strategies import local_tensor, whole_numel
+
 MB = 2**20
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """What this process holds of a tensor: its ZeRO-3 partition, its FSDP2 local shard, or itself."""
-    if hasattr(t, "ds_tensor"):
-        return t.ds_tensor
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _bytes(t: torch.Tensor) -> int:
-    t = _local(t)
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 
 def _storage(t: torch.Tensor) -> int:
-    return _local(t).untyped_storage().data_ptr()
-
-
-def _count(p: torch.Tensor) -> int:
-    """Elements of the whole parameter, however it is held."""
-    if hasattr(p, "ds_numel"):
-        return p.ds_numel
-    return p.shape.numel() if hasattr(p, "to_local") else p.numel()    # a DTensor's shape is the global one
+    return local_tensor(t).untyped_storage().data_ptr()
 
 
 def _dtypes(tensors) -> list[str]:
@@ -61,7 +49,7 @@ def optimizer_held(optimizer, params: list[torch.Tensor]) -> tuple[int, list[str
     # ZeRO-3 keeps its fp32 partitions on its own optimizer (the inner Adam's groups may be swapped out), ZeRO-1/2 too
     candidates = [t for level in levels for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups")
                   for t in getattr(level, name, None) or []] + [p for g in inner.param_groups for p in g["params"]]
-    model = {_storage(p) for p in params if _local(p).numel()}
+    model = {_storage(p) for p in params if local_tensor(p).numel()}
     masters = {_storage(t): t for t in candidates if t.numel() and _storage(t) not in model}
     return states + sum(_bytes(t) for t in masters.values()), _dtypes(masters.values())
 
@@ -88,8 +76,8 @@ class MemoryMonitor(L.Callback):
         report = {
             "rank": trainer.global_rank, "world_size": trainer.world_size,
             "strategy": type(trainer.strategy).__name__,
-            "param_count": sum(_count(p) for p in params),
-            "trainable_count": sum(_count(p) for p in params if p.requires_grad),
+            "param_count": sum(whole_numel(p) for p in params),
+            "trainable_count": sum(whole_numel(p) for p in params if p.requires_grad),
             "params_mb": sum(_bytes(p) for p in params) / MB,
             "optimizer_mb": sum(b for b, _ in held) / MB,
             "dtypes": {"frozen": _dtypes(p for p in params if not p.requires_grad),

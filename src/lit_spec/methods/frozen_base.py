@@ -11,7 +11,7 @@ import torch
 from lit_spec.methods.method_module import MethodModule
 from lit_spec.models.draft_heads import DraftHeads
 from lit_spec.models.saved_heads import heads_like, save_heads
-from lit_spec.strategies import unpartitioned_init, whole_parameters
+from lit_spec.strategies import is_deepspeed, is_fsdp, unpartitioned_init, whole_parameters
 
 
 class FrozenBaseModule(MethodModule):
@@ -31,7 +31,10 @@ class FrozenBaseModule(MethodModule):
         if self.model is None:
             self.model = self.model_spec.load_model().eval().requires_grad_(False)
         if getattr(self, self.exported) is None:
-            with unpartitioned_init(), whole_parameters(self.model):   # built from the base's own weights
+            # built from the base's embeddings and LM head (what init_from_base and check_draft read), gathered alone:
+            # a rank never holds the whole base (a 70B one would not fit)
+            reads = (self.model.get_input_embeddings(), self.model.get_output_embeddings())
+            with unpartitioned_init(), whole_parameters(*reads):
                 part = self.build_trainable()
             # in the policy's dtype: under ZeRO-3 DeepSpeed casts nothing once the base is partitioned
             setattr(self, self.exported, part.to(device=self.model.device, dtype=self.policy.trained))
@@ -52,11 +55,19 @@ class FrozenBaseModule(MethodModule):
         self._step(batch, "val")
 
     # ---- checkpoints and export ---------------------------------------------------------------------------------
+    @property
+    def strict_loading(self) -> bool:
+        """DeepSpeed checkpoints leave the frozen base out (the strategies' ``exclude_frozen_parameters``): its keys
+        are missing by design there. Elsewhere ``on_load_checkpoint`` puts them back, and loading stays strict."""
+        return not (self._trainer is not None and is_deepspeed(self.trainer.strategy))
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """The base is rebuilt from ``hparams.model_spec``: checkpoints hold the trained part only. Except under FSDP
-        (``ModelParallelStrategy``), whose distributed checkpoint is loaded for every key of the live module."""
+        """The base is rebuilt from ``hparams.model_spec`` (its identity is kept, and checked on resume): checkpoints
+        hold the trained part only. Except under FSDP (``ModelParallelStrategy``), whose distributed checkpoint is
+        loaded for every key of the live module."""
         super().on_save_checkpoint(checkpoint)
-        if "state_dict" in checkpoint and self._device_mesh is None:
+        checkpoint["base_identity"] = self.model_spec.identity()
+        if "state_dict" in checkpoint and not is_fsdp(self.trainer.strategy):
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
                                         if not k.startswith("model.")}
 

@@ -16,7 +16,7 @@ from lit_spec.methods.optim import build_optimizer, check_optim
 from lit_spec.models import spec_from_dict
 from lit_spec.models.spec import model_shape
 from lit_spec.precision import PrecisionPolicy, precision_policy
-from lit_spec.strategies import fully_shard_model
+from lit_spec.strategies import fully_shard_model, is_fsdp
 
 if TYPE_CHECKING:
     from lit_spec.decoding import Decoder
@@ -55,8 +55,8 @@ class MethodModule(L.LightningModule):
         what trains (the exported model) with FSDP2 over its data-parallel mesh. A frozen base stays whole on every
         rank: it has no gradients or optimizer states to shard."""
         self.build_models()
-        if self._device_mesh is not None:
-            fully_shard_model(getattr(self, self.exported), self._device_mesh["data_parallel"])
+        if self._trainer is not None and is_fsdp(self.trainer.strategy):
+            fully_shard_model(getattr(self, self.exported), self.device_mesh["data_parallel"])
 
     @property
     def policy(self) -> PrecisionPolicy:

@@ -7,6 +7,7 @@ import math
 import torch
 
 from lit_spec.errors import ConfigError, check_count
+from lit_spec.strategies import offloads_optimizer, whole_shape
 
 
 SCHEDULERS = ("cosine", "linear", "constant")
@@ -47,23 +48,17 @@ def _lr_lambda(kind: str, warmup: int, total: int, min_ratio: float):
     return f
 
 
-def _uses_cpu_offload(module) -> bool:
-    strategy = module.trainer.strategy
-    zero = getattr(strategy, "config", None) or {}
-    return bool(zero.get("zero_optimization", {}).get("offload_optimizer"))
-
-
 def build_optimizer(module, hp) -> dict:
     """AdamW over the trainable parameters (no decay on biases and norms) with warmup + decay per step."""
     params = [p for p in module.parameters() if p.requires_grad]
-    matrices = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]  # ZeRO-3 partitions are flat: ds_shape
+    matrices = [len(whole_shape(p)) >= 2 for p in params]
     groups = [
         {"params": [p for p, matrix in zip(params, matrices) if matrix], "weight_decay": hp.weight_decay},
         {"params": [p for p, matrix in zip(params, matrices) if not matrix], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]   # ZeRO-3 drops an empty group, and the schedule must see as many
     betas = tuple(hp.betas)
-    if _uses_cpu_offload(module):  # DeepSpeed ZeRO-Offload steps the optimizer on the CPU with its own Adam
+    if offloads_optimizer(module.trainer.strategy):  # DeepSpeed ZeRO-Offload steps the optimizer on the CPU with its own Adam
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         optimizer = DeepSpeedCPUAdam(groups, lr=hp.lr, betas=betas, adamw_mode=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from lit_spec.config import config_hash
 from lit_spec.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,16 @@ class HFModelSpec:
                                   f"{layers} layers")
             config.num_hidden_layers = self.keep_layers
         return config
+
+    def identity(self) -> str:
+        """What names these weights without reading them: a hash of config.json and of the weight files' names and
+        sizes (a sharded checkpoint's index lists its tensors). A resumed frozen-base run checks it."""
+        directory = Path(self.name_or_path)
+        files = sorted(p for p in directory.glob("*") if p.suffix in (".json", ".safetensors", ".bin", ".gguf")
+                       and not p.name.startswith(("tokenizer", "special_tokens", "generation_config")))
+        listing = [(p.name, p.read_text() if p.suffix == ".json" else p.stat().st_size) for p in files]
+        return config_hash({"name_or_path": self.name_or_path if not directory.is_dir() else None, "files": listing,
+                            "keep_layers": self.keep_layers, "gguf_file": self.gguf_file})
 
     def config_vocab_size(self) -> int | None:
         """The vocabulary size the model's config names (reads config.json only, no weights)."""
