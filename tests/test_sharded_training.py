@@ -87,8 +87,9 @@ def strategy_run(strategy: str) -> list[str]:
 
 # the precision policy (lit_spec.precision) per strategy and precision: the dtypes of frozen and trained weights and
 # of the optimizer's masters, as MemoryMonitor reads them on every rank ([]: the weights are their own masters)
-POLICY = {("32-true", s): ("float32", "float32", [] if s != "deepspeed_zero2" else ["float32"])
-          for s in (*ZERO, "fsdp")} | {
+# (fp32 ZeRO-3 keeps an fp32 master copy here too: DeepSpeed steps the weights in place only when the partition's
+# device equals its own, and on CPU rank r's is cpu:r against the tensors' cpu; on a GPU both are cuda:r)
+POLICY = {("32-true", s): ("float32", "float32", [] if s == "fsdp" else ["float32"]) for s in (*ZERO, "fsdp")} | {
     ("bf16-mixed", "deepspeed_zero2"): ("bfloat16", "bfloat16", ["float32"]),
     ("bf16-mixed", "deepspeed_zero3"): ("bfloat16", "bfloat16", ["float32"]),
     ("bf16-mixed", "fsdp"): ("float32", "float32", [])}
@@ -97,8 +98,8 @@ BYTES = {"float32": 4, "bfloat16": 2}
 
 def check_held(run_dir: Path, strategy: str, precision: str = "32-true") -> None:
     """Each rank holds its weights in the policy's dtypes, and half of what its strategy partitions: ZeRO-2 the
-    optimizer (Adam's m and v and the fp32 master copy ZeRO-2 keeps), ZeRO-3 the parameters too (fp32 weights are
-    their own master there, bf16 ones have fp32 masters), FSDP the parameters and optimizer of what trains."""
+    optimizer (Adam's m and v and the fp32 master copy ZeRO keeps), ZeRO-3 the parameters too, FSDP the parameters
+    and optimizer of what trains."""
     frozen_dtype, trained_dtype, masters = POLICY[precision, strategy]
     for rank in (0, 1):
         held = json.loads((run_dir / f"memory.rank{rank}.json").read_text())

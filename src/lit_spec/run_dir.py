@@ -10,6 +10,7 @@ a ``ckpt_path`` inside it.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -60,7 +61,9 @@ class RunDirectory(Callback):
             check_run_dir(directory, config.get("ckpt_path"), f"hydra.{key}.dir", markers)
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        self._claim(config, "run", (".hydra", *RUN_FILES))
+        # torchrun / srun start every rank at once: another node's rank may have written .hydra/ already
+        siblings = int(os.environ.get("WORLD_SIZE", 1)) > 1
+        self._claim(config, "run", RUN_FILES if siblings else (".hydra", *RUN_FILES))
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         self._claim(config, "sweep", ("multirun.yaml",))
