@@ -53,10 +53,15 @@ TRAJECTORY_METHODS = {"cllm": ["data=trajectories"],
                       "jacobi_forcing": ["data=noisy_trajectories", "data.noise_window=2", "data.noise_schedule=random"]}
 
 
+def cli_env() -> dict:
+    """A training process's environment: the tests' helpers importable, no hub, W&B offline, unbuffered output."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+
+
 def train_cli(run_dir: Path, *overrides: str) -> dict:
     """``python -m lit_spec.train`` in its own process group (a hung rank is killed with it); returns metrics.json."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    env = cli_env()
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log = run_dir.parent / f"{run_dir.name}.log"
     with open(log, "w") as out:
@@ -90,8 +95,7 @@ def strategy_run(strategy: str) -> list[str]:
 # (fp32 ZeRO-3 keeps an fp32 master copy here too: DeepSpeed steps the weights in place only when the partition's
 # device equals its own, and on CPU rank r's is cpu:r against the tensors' cpu; on a GPU both are cuda:r)
 POLICY = {("32-true", s): ("float32", "float32", [] if s == "fsdp" else ["float32"]) for s in (*ZERO, "fsdp")} | {
-    ("bf16-mixed", "deepspeed_zero2"): ("bfloat16", "bfloat16", ["float32"]),
-    ("bf16-mixed", "deepspeed_zero3"): ("bfloat16", "bfloat16", ["float32"]),
+    ("bf16-mixed", s): ("bfloat16", "bfloat16", ["float32"]) for s in ZERO} | {
     ("bf16-mixed", "fsdp"): ("float32", "float32", [])}
 BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -228,15 +232,13 @@ def test_two_nodes_through_torchrun(tmp_path, micro_dirs):
     run_dir, port = tmp_path / "run", free_port()
     overrides = [*MICRO_RUN, "trainer.num_nodes=2", "trainer.devices=1", "trainer.max_steps=4",
                  "trainer.val_check_interval=2", *strategy_run("deepspeed_zero3"), f"hydra.run.dir={run_dir}"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
     nodes = []
     for node in (0, 1):
         log = open(tmp_path / f"node{node}.log", "w")
         nodes.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
              f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "lit_spec.train",
-             *overrides], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+             *overrides], cwd=tmp_path, env=cli_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True))
     try:
         codes = [node.wait(timeout=TIMEOUT_S) for node in nodes]

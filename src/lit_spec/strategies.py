@@ -1,5 +1,5 @@
 """Sharded training on CUDA or on the CPU: Lightning's DeepSpeed strategy without its CUDA-only guard and with
-transformers' ZeRO-3 loading, FSDP2 sharding for Lightning's ``ModelParallelStrategy`` (``strategy=fsdp``), and the
+transformers' ZeRO-3 loading, FSDP2 sharding for Lightning's ``ModelParallelStrategy`` (``strategy=fsdp``), and
 the one place that answers the sharding questions (is a strategy DeepSpeed, FSDP, sharding the weights, offloading
 the optimizer; what a rank holds of a tensor; make some weights whole for a while; DeepSpeed's fp32 masters).
 

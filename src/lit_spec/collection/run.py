@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 from transformers import AutoConfig
 
+from lit_spec.checks import check_trainer
 from lit_spec.collection.collector import TrajectoryCollector
 from lit_spec.collection.plan import check_settings, plan_batches
 from lit_spec.collection.progress import TokensPerSecond
@@ -40,7 +41,6 @@ from lit_spec.data.trajectories import (LOCK, META, check_parts, done_batches, p
 from lit_spec.errors import ConfigError, DataError, Interrupted, signal_of
 from lit_spec.io import check_writable, one_writer
 from lit_spec.stages import build_stages, find_stages
-from lit_spec.checks import check_trainer
 
 log = logging.getLogger(__name__)
 

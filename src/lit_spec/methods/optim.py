@@ -58,7 +58,7 @@ def build_optimizer(module, hp) -> dict:
     ]
     groups = [g for g in groups if g["params"]]   # ZeRO-3 drops an empty group, and the schedule must see as many
     betas = tuple(hp.betas)
-    if offloads_optimizer(module.trainer.strategy):  # DeepSpeed ZeRO-Offload steps the optimizer on the CPU with its own Adam
+    if offloads_optimizer(module.trainer.strategy):  # ZeRO-Offload steps the optimizer on the CPU with its own Adam
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         optimizer = DeepSpeedCPUAdam(groups, lr=hp.lr, betas=betas, adamw_mode=True)
