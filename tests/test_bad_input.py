@@ -142,6 +142,7 @@ def test_a_checkpoint_of_another_model_size_is_refused_and_a_failed_restore_leav
     ("trainer.precision=17", r"trainer.precision=17: choose one of"),
     ("seed=abc", r"seed='abc': must be an integer >= 0"),
     ("model.attn_implementation=fast", r"model.attn_implementation='fast'"),
+    ("export_dtype=int8", r"export_dtype='int8': choose one of"),
 ])
 def test_trainer_and_data_numbers_are_checked_before_any_stage(micro_config, tmp_path, override, message):
     cfg = micro_config(override)

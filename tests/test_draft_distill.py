@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from lit_spec.data import IGNORE_INDEX
 from lit_spec.decoding import generate
 from lit_spec.errors import ConfigError
+from lit_spec.export import export_pretrained
 from lit_spec.methods import DraftDistillModule
 from lit_spec.methods.draft_distill import answer_positions
 from lit_spec.training import run_training
@@ -197,7 +198,7 @@ def test_export_is_the_student_and_checkpoints_hold_no_teacher(micro_config, tmp
     trained = _state(module.student)
     assert any(not torch.equal(v, untrained[k]) for k, v in trained.items())
 
-    module.export(tmp_path / "export")
+    export_pretrained(trainer, module, tmp_path / "export")
     assert (tmp_path / "export" / "model.safetensors").is_file()
     assert (tmp_path / "export" / "tokenizer.json").is_file()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export")

@@ -96,12 +96,13 @@ def strategy_run(strategy: str) -> list[str]:
 # device equals its own, and on CPU rank r's is cpu:r against the tensors' cpu; on a GPU both are cuda:r)
 POLICY = {("32-true", s): ("float32", "float32", [] if s == "fsdp" else ["float32"]) for s in (*ZERO, "fsdp")} | {
     ("bf16-mixed", s): ("bfloat16", "bfloat16", ["float32"]) for s in ZERO} | {
-    ("bf16-mixed", "fsdp"): ("float32", "float32", [])}
+    ("bf16-mixed", s): ("float32", "float32", []) for s in ("ddp", "fsdp")}
 BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def check_held(run_dir: Path, strategy: str, precision: str = "32-true") -> None:
-    """Each rank holds its weights in the policy's dtypes, and half of what its strategy partitions: ZeRO-2 the
+    """Each rank holds its weights in the policy's dtypes, and half of what its strategy partitions (DDP: nothing,
+    every rank holds all of it): ZeRO-2 the
     optimizer (Adam's m and v and the fp32 master copy ZeRO keeps), ZeRO-3 the parameters too, FSDP the parameters
     and optimizer of what trains."""
     frozen_dtype, trained_dtype, masters = POLICY[precision, strategy]
@@ -114,10 +115,21 @@ def check_held(run_dir: Path, strategy: str, precision: str = "32-true") -> None
         trained = held["trainable_count"] * BYTES[trained_dtype] / 2**20
         # Adam's m and v (fp32), plus the fp32 masters where the strategy keeps them apart from the weights
         states = held["trainable_count"] * 4 * (2 + len(masters)) / 2**20
-        expected = {"deepspeed_zero2": (frozen + trained, states / 2),
+        expected = {"ddp": (frozen + trained, states),
+                    "deepspeed_zero2": (frozen + trained, states / 2),
                     "deepspeed_zero3": ((frozen + trained) / 2, states / 2),
                     "fsdp": (frozen + trained / 2, states / 2)}[strategy]
         assert (held["params_mb"], held["optimizer_mb"]) == pytest.approx(expected, rel=0.1), (rank, held, expected)
+
+
+def saved_weights(checkpoint: Path) -> set[str]:
+    """The module weights a sharded checkpoint holds: DeepSpeed's model states, or FSDP's distributed checkpoint."""
+    if (checkpoint / "latest").is_file():
+        states = sorted((checkpoint / "checkpoint").glob("*model_states.pt"))
+        return set(torch.load(states[0], weights_only=False, map_location="cpu")["module"])
+    from torch.distributed.checkpoint import FileSystemReader
+    names = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return {k.removeprefix("state_dict.") for k in names if k.startswith("state_dict.")}
 
 
 def method_run(method: str, tmp_path: Path) -> list[str]:
@@ -129,7 +141,10 @@ def method_run(method: str, tmp_path: Path) -> list[str]:
 
 
 def check_export(method: str, export: Path, base_dir: str, initial: dict[str, torch.Tensor]) -> None:
-    """What the run exported is what plain transformers (or our heads loader) reads, trained, and decodes losslessly."""
+    """What the run exported is in the model's own dtype (fp32, whatever the strategy and precision), is what plain
+    transformers (or our heads loader) reads, trained, and decodes losslessly."""
+    dtypes = {v.dtype for f in export.glob("*.safetensors") for v in load_file(f).values() if v.is_floating_point()}
+    assert dtypes == {torch.float32}, dtypes
     ids = torch.tensor([[1, 5, 9, 13, 17]])
     base = AutoModelForCausalLM.from_pretrained(base_dir)
     greedy = generate(base, ids, "ar", max_new_tokens=12).sequences
@@ -172,23 +187,31 @@ def test_method_trains_exports_and_resumes_on_two_processes(method, strategy, tm
             result = json.loads((first / f"base_unchanged.rank{rank}.json").read_text())
             assert result["equal"] and result["tensors"] > 0, (rank, result)
 
-    # resumed from the sharded checkpoint of step 2 (mid-epoch), it trains steps 2..5 on the same batches
+    check_resume(first, tmp_path / "resumed", run, method)
+
+
+def check_resume(first: Path, resumed: Path, run: list[str], method: str, rel: float = 1e-5) -> None:
+    """Resumed from the sharded checkpoint of step 2 (mid-epoch), the run trains steps 2..5 on the same batches, to
+    the same losses; a frozen-base method's checkpoint holds what trains, not the base (rebuilt on resume)."""
     checkpoint = first / "checkpoints" / "step000002.ckpt"
     assert checkpoint.is_dir(), "sharded checkpoints are directories"
-    resumed = tmp_path / "resumed"
-    assert train_cli(resumed, *run, f"ckpt_path={checkpoint}")["global_step"] == 6
+    if method in (*HEADS, "draft_distill"):
+        assert {k.split(".")[0] for k in saved_weights(checkpoint)} == {"student" if method == "draft_distill"
+                                                                        else "heads"}
+    steps = json.loads((first / "metrics.json").read_text())["global_step"]
+    assert train_cli(resumed, *run, f"ckpt_path={checkpoint}")["global_step"] == steps
     expected = [(s, v) for s, v in logged(first, "train/loss") if s >= 2]
     got = logged(resumed, "train/loss")
-    assert [s for s, _ in got] == [2, 3, 4, 5]
-    assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-5), (expected, got)
+    assert [s for s, _ in got] == list(range(2, steps))
+    assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=rel), (expected, got)
 
 
-@pytest.mark.parametrize("method, strategy", [(m, s) for m in METHODS for s in (*ZERO, "fsdp")])
+@pytest.mark.parametrize("method, strategy", [(m, s) for m in METHODS for s in ("ddp", *ZERO, "fsdp")])
 def test_method_trains_and_exports_in_bf16_mixed(method, strategy, tmp_path, micro_dirs):
     """The GPU's precision on 2 CPU processes: every method trains, measures and exports under every strategy with
-    the dtypes the precision policy states. Greedy decoding is lossless in fp32 only (bf16's rounding differs between
-    a one-token and a many-token forward), so the decoders are measured, not held to exactness, here; the export is
-    in the model's own dtype (fp32) and decodes losslessly."""
+    the dtypes the precision policy states, and under the card's ZeRO-3 resumes. Greedy decoding is lossless in fp32
+    only (bf16's rounding differs between a one-token and a many-token forward), so the decoders are measured, not
+    held to exactness, here; the export is in the model's own dtype (fp32) and decodes losslessly."""
     run = [*method_run(method, tmp_path), *TWO_RANKS, *strategy_run(strategy), "trainer.precision=bf16-mixed",
            "trainer.max_steps=4", "trainer.val_check_interval=2"]
     metrics = train_cli(tmp_path / "run", *run)
@@ -197,6 +220,8 @@ def test_method_trains_and_exports_in_bf16_mixed(method, strategy, tmp_path, mic
     check_held(tmp_path / "run", strategy, "bf16-mixed")
     check_export(method, tmp_path / "run" / "export", micro_dirs[0],
                  load_file(Path(micro_dirs[0]) / "model.safetensors"))
+    if strategy == "deepspeed_zero3":
+        check_resume(tmp_path / "run", tmp_path / "resumed", run, method, rel=1e-3)
 
 
 def test_the_decoding_copy_measures_what_the_sharded_model_measures(tmp_path):

@@ -48,6 +48,17 @@ def test_ar_loss_goes_down_and_export_loads(micro_config, tmp_path):
     assert out.shape[1] == ids.shape[1] + 5 or out[0, -1] == tokenizer.eos_token_id
 
 
+
+def test_the_export_is_in_export_dtype_and_loads_in_it(micro_config, tmp_path):
+    """``export_dtype`` sets the export's dtype (the default, the model's own, is the test above's fp32): the weights
+    are cast, and plain transformers loads them in that dtype (config.json records it)."""
+    cfg = micro_config("trainer.max_steps=2", "trainer.val_check_interval=2", "export_dtype=bfloat16")
+    run_training(cfg)
+    exported = load_file(Path(cfg.export_dir) / "model.safetensors")
+    state = torch.load(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, state[f"model.{k}"].bfloat16()) for k, v in exported.items())
+    assert AutoModelForCausalLM.from_pretrained(cfg.export_dir, dtype="auto").dtype == torch.bfloat16
+
 def test_resume_continues_at_the_right_step(micro_config, tmp_path):
     first = micro_config("trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.log_every_n_steps=1",
                          "method.lr=1e-2", "callbacks.model_checkpoint.every_n_train_steps=3",

@@ -19,7 +19,7 @@ from lit_spec.config import build
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.export import check_export_dir
 from lit_spec.io import launch_rank
-from lit_spec.models.spec import model_shape
+from lit_spec.models.spec import DTYPES, model_shape
 from lit_spec.run_dir import check_run_dir
 from lit_spec.strategies import is_deepspeed, is_fsdp
 
@@ -41,6 +41,8 @@ def check_run(cfg: DictConfig) -> dict | None:
         check_run_dir(cfg.paths.output_dir, ckpt_path, "paths.output_dir")
     if cfg.get("export_dir"):
         check_export_dir(cfg.export_dir)
+    if cfg.get("export_dtype", "auto") not in DTYPES:
+        raise ConfigError(f"export_dtype={cfg.export_dtype!r}: choose one of {sorted(DTYPES)} (auto: the model's own)")
     return checkpoint
 
 

@@ -1,9 +1,9 @@
 """Export the trained model with ``save_pretrained``, whatever strategy trained it.
 
-Whole full-precision weights (one device, DDP) are saved straight from rank 0. Under DeepSpeed (its fp32 masters,
-not the bf16 weights) and FSDP2 the exported part alone (a fine-tuned model, heads, maps, a draft; never a frozen
-base) is consolidated onto rank 0's CPU one parameter at a time, with no scratch checkpoint; rank 0 writes from that.
-Either way the export is in the model's own dtype (``model.dtype``), whatever the strategy and precision.
+The exported part alone (a fine-tuned model, heads, maps, a draft; never a frozen base) is taken onto rank 0's CPU one
+parameter at a time, in the export's dtype (``export_dtype``, by default the model's own, whatever the strategy and
+precision): under DeepSpeed from its fp32 masters, under FSDP2 gathered, elsewhere the live weights. No scratch
+checkpoint is written, and rank 0 holds the export once: ``save_pretrained`` writes it through a weightless copy.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from lit_spec.errors import ConfigError
 from lit_spec.io import atomic_dir, check_writable, write_json
+from lit_spec.precision import export_dtype
 from lit_spec.strategies import full_precision, gathered, is_deepspeed, weights_sharded
 
 MARK = "lit_spec_export.json"        # in every export: what wrote it; only a directory holding one is replaced
@@ -34,36 +35,39 @@ def check_export_dir(directory: str | Path) -> None:
     check_writable(directory.parent, "export_dir (its parent)")
 
 
-def consolidated_state_dict(trainer: L.Trainer, module) -> dict | None:
-    """The exported part's full state dict (keys ``<exported>.*``) on rank 0, one parameter gathered at a time, in
-    full precision: DeepSpeed's fp32 masters where it keeps them. None elsewhere, and where the live weights are the
-    whole full-precision ones already (one device, DDP, FSDP2 off). Every rank calls it."""
+def exported_state(trainer: L.Trainer, module, dtype: torch.dtype) -> dict | None:
+    """The exported part's whole state dict on rank 0's CPU, its floating tensors in ``dtype``, taken one parameter at
+    a time: DeepSpeed's fp32 masters where it keeps them, gathered where the weights are sharded, the live tensors
+    elsewhere (copied only to change device or dtype). Rank 0 never holds more than the export. None on the other
+    ranks; every rank calls it."""
     strategy = trainer.strategy
-    if not (is_deepspeed(strategy) or weights_sharded(strategy)):
-        return None
-    name, state = module.exported, {}
+    consolidate = is_deepspeed(strategy) or weights_sharded(strategy)
+    state, taken = {}, {}     # taken: a tied parameter (embeddings and LM head) is taken once, and stays shared
     for key, value in getattr(module, module.exported).state_dict(keep_vars=True).items():
-        if isinstance(value, torch.nn.Parameter):
-            master = full_precision(value)
-            if master is None:
-                with gathered([value]) as (whole,):
-                    master = whole.detach().clone()
-            value = master
-        if trainer.is_global_zero:
-            state[f"{name}.{key}"] = value.detach().to("cpu", copy=True)
+        if id(value) not in taken:
+            tensor = value
+            if consolidate and isinstance(value, torch.nn.Parameter):
+                tensor = full_precision(value)
+                if tensor is None:
+                    with gathered([value]) as (whole,):
+                        tensor = whole.detach().to(dtype, copy=True)
+            keep = dtype if tensor.is_floating_point() else tensor.dtype
+            taken[id(value)] = tensor.detach().to("cpu", keep) if trainer.is_global_zero else None
+        state[key] = taken[id(value)]
     return state if trainer.is_global_zero else None
 
 
-def export_pretrained(trainer: L.Trainer, module, directory: str | Path) -> Path | None:
-    """Write ``module.export`` atomically into ``directory``; returns it on rank 0."""
+def export_pretrained(trainer: L.Trainer, module, directory: str | Path, dtype: str = "auto") -> Path | None:
+    """Write ``module.export`` atomically into ``directory`` in ``dtype`` (``export_dtype``; ``auto``: the exported
+    model's own); returns it on rank 0."""
     directory = Path(directory)
-    state = consolidated_state_dict(trainer, module)
+    state = exported_state(trainer, module, export_dtype(dtype, module.exported_spec))
     trainer.strategy.barrier("export")
     if not trainer.is_global_zero:
         return None
     check_export_dir(directory)      # nothing of the user's may have appeared there while training
     with atomic_dir(directory) as tmp:
-        module.export(tmp, state_dict=state)
+        module.export(tmp, state)
         write_json(tmp / MARK, {"method": type(module).__name__, "global_step": trainer.global_step,
                                 "run": str(trainer.default_root_dir)})
     return directory

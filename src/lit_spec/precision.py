@@ -1,6 +1,7 @@
 """The precision policy, the one place that decides the dtype of every part of a run from the trainer's precision
 and its strategy: the weights that train (a fine-tuned model, heads, maps, a draft) as each rank holds them, the
 optimizer's master copy, and the dtype forwards compute in. A frozen base keeps ``model.dtype``: it has no optimizer.
+The export is in ``export_dtype`` (default: the model's own), whatever the strategy.
 
 | strategy  | precision            | trained weights | masters         | compute |
 |-----------|----------------------|-----------------|-----------------|---------|
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_spec.models.spec import DTYPES
 from lit_spec.strategies import is_deepspeed
 
 log = logging.getLogger(__name__)
@@ -62,3 +64,12 @@ def check_policy(policy: PrecisionPolicy, strategy_name: str, precision: str) ->
         log.warning("trainer.precision=%s with %s: the optimizer updates %s weights with no fp32 master copy (small "
                     "updates round away); use trainer.precision=bf16-mixed, or a DeepSpeed strategy",
                     precision, strategy_name, policy.trained)
+
+
+def export_dtype(name: str, spec) -> torch.dtype:
+    """The export's dtype: ``export_dtype`` where it names one; ``auto``: the exported model's own, ``model.dtype``
+    or, where that is ``auto`` too, the dtype its config.json records (fp32 if none). Never the strategy's."""
+    chosen = DTYPES[name] if name != "auto" else DTYPES[spec.dtype]
+    if chosen == "auto":
+        chosen = getattr(spec.load_config(), "dtype", None) or torch.float32
+    return getattr(torch, chosen) if isinstance(chosen, str) else chosen

@@ -43,7 +43,7 @@ class _FinishRun(L.Callback):
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         metrics["global_step"] = trainer.global_step
         if self.cfg.get("export_dir"):
-            export_pretrained(trainer, module, self.cfg.export_dir)
+            export_pretrained(trainer, module, self.cfg.export_dir, self.cfg.get("export_dtype", "auto"))
         if trainer.is_global_zero:
             write_json(Path(self.cfg.paths.output_dir) / "metrics.json", metrics)
             speedup = next((c for c in trainer.callbacks if isinstance(c, SpeedupCallback)), None)

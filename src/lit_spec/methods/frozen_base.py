@@ -10,8 +10,23 @@ import torch
 
 from lit_spec.methods.method_module import MethodModule
 from lit_spec.models.draft_heads import DraftHeads
-from lit_spec.models.saved_heads import heads_like, save_heads
-from lit_spec.strategies import is_deepspeed, is_fsdp, unpartitioned_init, whole_parameters
+from lit_spec.models.saved_heads import save_heads
+from lit_spec.strategies import unpartitioned_init, whole_parameters
+
+
+# The base is rebuilt from ``hparams.model_spec`` (its identity is kept in checkpoints, and checked on resume), so the
+# module's state dict leaves it out under every strategy (Lightning's, DeepSpeed's and FSDP's distributed checkpoints
+# all read ``state_dict()``), and loading puts the live base's own weights back: a missing or unexpected key of the
+# trained part still fails a strict load.
+def _without_base(module, state: dict, prefix: str, local_metadata) -> None:
+    for key in [k for k in state if k.startswith(f"{prefix}model.")]:
+        del state[key]
+
+
+def _with_base(module, state: dict, prefix: str, *args) -> None:
+    if module.model is not None:
+        for key, value in module.model.state_dict().items():
+            state.setdefault(f"{prefix}model.{key}", value)
 
 
 class FrozenBaseModule(MethodModule):
@@ -23,6 +38,8 @@ class FrozenBaseModule(MethodModule):
     def __init__(self, model_spec, **kwargs):
         super().__init__(model_spec, **kwargs)
         setattr(self, self.exported, None)
+        self.register_state_dict_post_hook(_without_base)
+        self.register_load_state_dict_pre_hook(_with_base)
 
     def build_trainable(self) -> torch.nn.Module:
         raise NotImplementedError
@@ -55,40 +72,14 @@ class FrozenBaseModule(MethodModule):
         self._step(batch, "val")
 
     # ---- checkpoints and export ---------------------------------------------------------------------------------
-    @property
-    def strict_loading(self) -> bool:
-        """DeepSpeed checkpoints leave the frozen base out (the strategies' ``exclude_frozen_parameters``): its keys
-        are missing by design there. Elsewhere ``on_load_checkpoint`` puts them back, and loading stays strict."""
-        return not (self._trainer is not None and is_deepspeed(self.trainer.strategy))
-
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """The base is rebuilt from ``hparams.model_spec`` (its identity is kept, and checked on resume): checkpoints
-        hold the trained part only. Except under FSDP (``ModelParallelStrategy``), whose distributed checkpoint is
-        loaded for every key of the live module."""
         super().on_save_checkpoint(checkpoint)
         checkpoint["base_identity"] = self.model_spec.identity()
-        if "state_dict" in checkpoint and not is_fsdp(self.trainer.strategy):
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
-                                        if not k.startswith("model.")}
 
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Put the (rebuilt) base's own weights back, so the trained part loads strictly: a missing or unexpected
-        key of it still fails. Lightning calls ``configure_model`` before this hook."""
-        state = checkpoint.get("state_dict")
-        if state is None:                    # DeepSpeed restores module states itself
-            return
-        if self.model is None:
-            self.build_models()
-        for k, v in self.model.state_dict().items():
-            state.setdefault(f"model.{k}", v)
-
-    def export(self, directory, state_dict: dict | None = None) -> None:
+    def export(self, directory, state: dict) -> None:
         """Draft heads (``DraftHeads``) go to ``save_heads``' files, which name the base; a draft model is a
         ``save_pretrained`` directory (``MethodModule.export``)."""
         part = getattr(self, self.exported)
         if not isinstance(part, DraftHeads):
-            return super().export(directory, state_dict)
-        if state_dict is not None:          # gathered from shards: loaded into a whole copy
-            prefix, part = f"{self.exported}.", heads_like(part)
-            part.load_state_dict({k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)})
-        save_heads(part, directory, self.model_spec.to_dict())
+            return super().export(directory, state)
+        save_heads(part, directory, self.model_spec.to_dict(), state)

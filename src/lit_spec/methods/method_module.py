@@ -6,6 +6,7 @@ Contract (see DESIGN.md): a method module owns its trainable parameters, logs ea
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import lightning as L
@@ -90,17 +91,19 @@ class MethodModule(L.LightningModule):
     def configure_optimizers(self):
         return build_optimizer(self, self.hparams)
 
-    def export(self, directory, state_dict: dict | None = None) -> None:
-        """Write the trained model (the attribute ``exported`` names, built by ``<exported>_spec``) and the target's
-        tokenizer with ``save_pretrained`` (safetensors); plain transformers loads them.
+    @property
+    def exported_spec(self):
+        """The spec of what ``export`` writes: ``<exported>_spec`` (a distilled draft's), else the model's."""
+        return getattr(self, f"{self.exported}_spec", self.model_spec)
 
-        ``state_dict`` is this module's consolidated state (keys ``<exported>.*``) when the live weights are sharded.
-        """
-        name = self.exported
-        model = getattr(self, name)
-        if state_dict is not None:
-            model = getattr(self, f"{name}_spec").load_model()
-            model.load_state_dict({k.removeprefix(f"{name}."): v for k, v in state_dict.items()
-                                   if k.startswith(f"{name}.")})
-        model.save_pretrained(directory, safe_serialization=True)
+    def export(self, directory, state: dict) -> None:
+        """Write ``state`` (the whole exported model's weights, ``lit_spec.export.exported_state``) and the target's
+        tokenizer with ``save_pretrained`` (safetensors); plain transformers loads them. The model is written through
+        a weightless (meta) copy of the exported one in ``state``'s dtype: nothing is held twice."""
+        model = getattr(self, self.exported)
+        dtype = next(v.dtype for v in state.values() if v.is_floating_point())
+        with torch.device("meta"):   # config.json records the ghost's dtype; the live config stays as it was
+            ghost = type(model)(copy.deepcopy(model.config)).to(dtype)
+        ghost.generation_config = model.generation_config
+        ghost.save_pretrained(directory, state_dict=state, safe_serialization=True)
         self.model_spec.load_tokenizer().save_pretrained(directory)

@@ -19,17 +19,12 @@ WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
 KINDS: dict[str, type[DraftHeads]] = {cls.kind: cls for cls in (MedusaHeads, ChimeraDraft, HiddenTransfer)}
 
 
-def heads_like(heads: DraftHeads) -> DraftHeads:
-    """New heads of the same kind and config (weights as initialised)."""
-    return KINDS[heads.kind](**heads.config)
-
-
-def save_heads(heads: DraftHeads, directory: str | Path, base_model: dict) -> Path:
-    """Write the heads' parameters (safetensors) and ``heads.json`` (kind, config, the base model's spec) into
-    ``directory``, atomically."""
+def save_heads(heads: DraftHeads, directory: str | Path, base_model: dict, state: dict | None = None) -> Path:
+    """Write the heads' parameters (``state`` if given: e.g. gathered from shards; else their own) as safetensors,
+    and ``heads.json`` (kind, config, the base model's spec), into ``directory``, atomically."""
     directory = Path(directory)
     with atomic_dir(directory) as tmp:
-        state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+        state = {k: v.detach().contiguous().cpu() for k, v in (state or heads.state_dict()).items()}
         save_file(state, str(tmp / WEIGHTS))
         write_json(tmp / CONFIG, {"kind": heads.kind, "config": heads.config, "base_model": base_model})
     return directory
