@@ -1,11 +1,14 @@
-"""Gather a Hydra multirun directory into a table and a plot (the shape of CLLM's Table 6 / Figure 3).
+"""Gather a Hydra multirun directory into a table and a plot (the shape of CLLM's Table 6 / Figure 3), and the
+τ–drift frontier: how fast each recipe made the model against how far it moved it.
 
     python experiments/sweep_report.py logs/train/multiruns/<date>            # writes sweep.md, sweep.png there
 
 Each job directory holds ``.hydra/overrides.yaml`` (what the sweep set), ``metrics.json`` (final metrics, written
 when training ends) and ``csv/metrics.csv`` (every logged value, with its step). The swept parameters are the
-overrides whose values differ between jobs; the table has one row per job with the speedup callback's final figures,
-and the plot shows speedup, τ and quality against the first swept parameter, plus τ against training steps.
+overrides whose values differ between jobs; the table has one row per job with the speedup callback's final figures
+(τ of every decoder measured, and the drift: answer-NLL changes, greedy answers unchanged, median first divergence).
+The plot shows τ against the HumanEval answer-NLL change (the frontier: up and left is better), speedup and answers
+unchanged against the first swept parameter, and τ against training steps.
 """
 
 from __future__ import annotations
@@ -21,15 +24,20 @@ import yaml
 COLUMNS = {  # metric key -> table header
     "speedup/jacobi": "Jacobi speedup",
     "mean_accepted/jacobi": "τ (tokens/forward)",
+    "mean_accepted/multiblock": "τ multiblock",
     "fast_forward/jacobi": "fast-forward",
     "stationary/jacobi": "stationary",
     "exact_match/jacobi": "Jacobi = AR",
+    "drift/nll_change/humaneval": "HumanEval NLL change",
+    "drift/nll_change/heldout": "held-out NLL change",
     "quality/agreement": "agreement with target",
+    "quality/first_divergence": "first divergence (median, tokens)",
     "quality/token_agreement": "token agreement",
     "val/ar": "val AR loss",
     "val/loss": "val loss",
     "global_step": "steps",
 }
+FRONTIER = ("drift/nll_change/humaneval", "drift/nll_change/heldout")   # the drift axis: the first one logged
 
 
 def load_jobs(sweep: Path) -> list[dict]:
@@ -78,7 +86,8 @@ def plot(jobs: list[dict], keys: list[str], out: Path) -> None:
     for j in jobs:
         groups.setdefault(tuple(j["overrides"].get(k) for k in rest), []).append(j)
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
-    for metric, ax in zip(["speedup/jacobi", "mean_accepted/jacobi", "quality/agreement"], axes):
+    frontier(jobs, keys, axes[0])
+    for metric, ax in zip(["speedup/jacobi", "quality/agreement"], axes[1:3]):
         for label, members in groups.items():
             pts = sorted((_num(j["overrides"].get(x_key)), j["metrics"].get(metric)) for j in members
                          if j["metrics"].get(metric) is not None)
@@ -97,6 +106,24 @@ def plot(jobs: list[dict], keys: list[str], out: Path) -> None:
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
+
+
+def frontier(jobs: list[dict], keys: list[str], ax) -> None:
+    """τ of each decoder against the drift (the first of ``FRONTIER`` any job logged), one point per job, named."""
+    drift = next((m for m in FRONTIER if any(m in j["metrics"] for j in jobs)), None)
+    taus = sorted({m for j in jobs for m in j["metrics"] if m.startswith("mean_accepted/")})
+    if drift is None:
+        ax.set_title("no drift measured")
+        return
+    for tau in taus:
+        pts = [(j["metrics"][drift], j["metrics"][tau], j) for j in jobs
+               if drift in j["metrics"] and tau in j["metrics"]]
+        ax.scatter([x for x, _, _ in pts], [y for _, y, _ in pts], label=tau.split("/", 1)[1])
+        for x, y, j in pts:
+            ax.annotate(", ".join(f"{k.rsplit('.', 1)[-1]}={j['overrides'].get(k)}" for k in keys), (x, y), fontsize=6)
+    ax.set_xlabel(COLUMNS[drift])
+    ax.set_ylabel("τ (tokens/forward)")
+    ax.set_title("τ against drift (up and left is better)")
 
 
 def _num(value):

@@ -143,6 +143,8 @@ def test_a_run_prints_each_line_once_and_ends_with_a_summary_and_a_plot(cli):
     messages = [line.split("] - ", 1)[1] for line in lines if "] - " in line and line.split("] - ", 1)[1].strip()]
     assert len(messages) == len(set(messages)), "a log line printed twice"
     assert "done: train — ARModule on" in printed and "jacobi: τ 1.00 → " in printed
+    said = json.loads((root / "clean" / "metrics.json").read_text())["verdict"]      # the trade, in words, in both
+    assert f"verdict: {said}" in printed and said.startswith(("faster", "not faster than AR"))
     assert f"files in {root / 'clean'}:" in printed and "speedup.png" in printed and "next:" in printed
     assert "python -m lit_spec.train -m method.lr=0.0015,0.006  # a sweep" in printed   # the run's 3e-3: half, twice
     assert (root / "clean" / "speedup.png").stat().st_size > 10_000

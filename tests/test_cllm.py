@@ -224,7 +224,8 @@ def test_validation_split_and_errors(tmp_path):
 # ---- the method ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, match", [({"distance": "l1"}, "distance"), ({"consistency": "both"}, "consistency"),
                                            ({"ar_weight": -1.0}, "ar_weight"), ({"jsd_beta": 0.0}, "jsd_beta"),
-                                           ({"n_tokens": 0}, "n_tokens"), ({"ar_target": "x"}, "ar_target")])
+                                           ({"n_tokens": 0}, "n_tokens"), ({"ar_target": "x"}, "ar_target"),
+                                           ({"ar_teacher": "x"}, "ar_teacher")])
 def test_bad_hparams_are_config_errors(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         CLLMModule(None, **kwargs)
@@ -253,6 +254,55 @@ def test_losses_pick_the_teacher_and_follow_eq_7():
     assert found["local"][0].item() == pytest.approx(0.0, abs=1e-6)  # its teacher input is the student's
     assert found["global"][1].item() == pytest.approx(found["local"][1].item())
 
+
+def test_the_ar_term_fits_the_labels_or_the_original_distribution():
+    """``ar_teacher=labels`` is eq. 6 (transformers' own shifted loss); ``original`` is the forward KL from a frozen
+    copy of the model as it was: 0 while the model is still that model, positive once it moved, and pulling it back."""
+    import copy
+
+    from random_models import random_model
+
+    ids = torch.tensor([[3, 4, 5, 20, 21, 22]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "teacher_ids": ids.clone(),
+             "local_teacher_ids": ids.clone(), "ar_input_ids": ids.clone(), "ar_attention_mask": torch.ones_like(ids),
+             "consistency_mask": torch.tensor([[False, False, True, True, True, False]]),
+             "ar_labels": torch.tensor([[IGNORE_INDEX] * 3 + [20, 21, 22]])}
+    labels = CLLMModule(SimpleNamespace(to_dict=dict), ar_teacher="labels")
+    labels.model = random_model()
+    expected = labels.model(input_ids=ids, labels=batch["ar_labels"]).loss
+    assert labels._losses(batch)[1].item() == pytest.approx(expected.item(), rel=1e-6)
+
+    module = CLLMModule(SimpleNamespace(to_dict=dict), ar_teacher="original")
+    assert module.frozen == ("original",) and labels.frozen == ()
+    module.model, module.original = random_model(), random_model().requires_grad_(False)
+    assert module._losses(batch)[1].item() == pytest.approx(0.0, abs=1e-6)
+    moved = copy.deepcopy(module.model.state_dict())
+    with torch.no_grad():
+        module.model.lm_head.weight.add_(0.5 * torch.randn_like(module.model.lm_head.weight))
+    ar = module._losses(batch)[1]
+    assert ar.item() > 1e-3
+    ar.backward()                  # one step down the KL's gradient brings the model back towards the original
+    with torch.no_grad():
+        module.model.lm_head.weight.sub_(0.5 * module.model.lm_head.weight.grad)
+    assert module._losses(batch)[1].item() < ar.item()
+    assert all(module.original.state_dict()[k].equal(v) for k, v in moved.items() if "lm_head" not in k)
+
+
+def test_a_run_that_distils_from_the_original_checkpoints_without_it_and_resumes(tmp_path):
+    traj = write_trajectories(tmp_path / "traj", train=4)
+    run = [*MICRO_MODEL, "method=cllm", "data=trajectories", f"data.path={traj}", "data.batch_size=2",
+           "method.n_tokens=3", "method.ar_teacher=original", "method.lr=3e-3", "trainer.val_check_interval=2",
+           "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1"]
+    first = make_config(tmp_path / "first", [*run, "trainer.max_steps=2"])
+    run_training(first)
+    checkpoint = Path(first.paths.output_dir) / "checkpoints" / "last.ckpt"
+    saved = torch.load(checkpoint, weights_only=False, map_location="cpu")
+    assert saved["state_dict"] and all(k.startswith("model.") for k in saved["state_dict"]), "no original.* key"
+    assert saved["base_identity"]
+    ar = _logged(Path(first.paths.output_dir), "train/ar")
+    assert ar[0] == pytest.approx(0.0, abs=1e-5) and ar[1] > ar[0]   # the model starts as the original, then moves
+    resumed = make_config(tmp_path / "resumed", [*run, "trainer.max_steps=4", f"ckpt_path={checkpoint}"])
+    assert run_training(resumed)["global_step"] == 4
 
 def _logged(run_dir: Path, key: str) -> list[float]:
     with open(run_dir / "csv" / "metrics.csv") as f:

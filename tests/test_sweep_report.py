@@ -32,7 +32,8 @@ def _job(root: Path, name: str, overrides: list[str], metrics: dict, curve: list
 def test_table_and_plot_of_a_sweep(tmp_path, capsys):
     for i, (n, w, tau) in enumerate([(8, 1, 1.5), (16, 1, 2.25), (8, 10, 1.25)]):
         _job(tmp_path, str(i), [f"method.n_tokens={n}", f"method.ar_weight={w}", "trainer.max_steps=10"],
-             {"speedup/jacobi": tau / 1.25, "mean_accepted/jacobi": tau, "quality/agreement": 0.5, "global_step": 10},
+             {"speedup/jacobi": tau / 1.25, "mean_accepted/jacobi": tau, "quality/agreement": 0.5, "global_step": 10,
+              "drift/nll_change/humaneval": 0.25 * i, "quality/first_divergence": 7.0},
              [(0, 1.0), (10, tau)])
     report = _script()
     jobs = report.load_jobs(tmp_path)
@@ -40,8 +41,9 @@ def test_table_and_plot_of_a_sweep(tmp_path, capsys):
     assert report.swept_keys(jobs) == ["method.ar_weight", "method.n_tokens"]  # max_steps is the same everywhere
     assert report.main([str(tmp_path)]) == 0
     table = (tmp_path / "sweep.md").read_text().splitlines()
-    assert table[0].startswith("| job | method.ar_weight | method.n_tokens | Jacobi speedup | τ (tokens/forward)")
-    assert table[3] == "| 1 | 1 | 16 | 1.8 | 2.25 | 0.5 | 10 |"
+    assert table[0].startswith("| job | method.ar_weight | method.n_tokens | Jacobi speedup | τ (tokens/forward) | "
+                               "HumanEval NLL change | agreement with target | first divergence (median, tokens)")
+    assert table[3] == "| 1 | 1 | 16 | 1.8 | 2.25 | 0.25 | 0.5 | 7 | 10 |"
     assert (tmp_path / "sweep.png").stat().st_size > 1000
     assert "sweep.md" in capsys.readouterr().out
 

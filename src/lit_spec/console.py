@@ -102,6 +102,28 @@ def _nll_drift(last: dict, name: str) -> str:
     return f"{name} {now:.3f}" if change is None else f"{name} {now - change:.3f} → {now:.3f} ({change:+.3f})"
 
 
+DRIFTED_NLL = 0.5   # nats per answer token: a larger rise of any answer set's NLL means another model
+
+
+def verdict(last: dict, prompts: int) -> str | None:
+    """The trade in plain words, from a measurement's figures: faster than AR or not (the best decoder's speedup),
+    and whether the model is still the model (its greedy answers on the ``prompts`` held-out prompts, the largest
+    answer-NLL change). None without a speedup figure."""
+    speedups = [v for k, v in last.items() if k.startswith("speedup/")]
+    if not speedups:
+        return None
+    head = "faster" if max(speedups) > 1 else "not faster than AR"
+    agreement = last.get("quality/agreement")
+    if agreement is None:
+        return head
+    changes = [v for k, v in last.items() if k.startswith("drift/nll_change/")]
+    nll = f" (NLL {max(changes):+.1f})" if changes else ""
+    unchanged = round(agreement * prompts)
+    if agreement >= 0.5 and max(changes, default=0.0) <= DRIFTED_NLL:
+        return f"{head}, answers unchanged on {unchanged}/{prompts}{nll}"
+    return f"{head}, but answers changed on {prompts - unchanged}/{prompts}{nll}: the model drifted"
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 60 else f"{seconds // 60:.0f} min {seconds % 60:.0f} s"
 
@@ -117,6 +139,8 @@ def training_summary(cfg, metrics: dict, history: list, prompts: int, seconds: f
         (step0, first), (step1, last) = history[0], history[-1]
         lines.append(f"decoding {prompts} held-out prompts (speedup callback), step {step0} → step {step1}:")
         lines += _figures(first if step0 != step1 else {}, last, prompts)
+    if metrics.get("verdict"):
+        lines.append(f"verdict: {metrics['verdict']}")
     if "val/loss" in metrics:
         lines.append(f"  val/loss {metrics['val/loss']:.3f}")
     files = [(cfg.get("export_dir"), "the trained model (save_pretrained)"),

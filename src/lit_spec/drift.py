@@ -9,6 +9,8 @@ problems with their canonical solutions."""
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -43,8 +45,8 @@ def answer_nll(model, records: list[dict], device: torch.device) -> float:
 def compare_answers(outputs: list[list[int]], originals: list[list[int]]) -> dict[str, float | None]:
     """Greedy answers against the original model's for the same prompts (pairwise): ``agreement``, the share
     unchanged; ``token_agreement``, the mean common-prefix length over the original's length; ``first_divergence``,
-    over the changed ones the mean position of the first differing token (the tokens still equal before it), None
-    when none changed. No pairs: {}."""
+    over the changed ones the median position of the first differing token (the tokens still equal before it),
+    None when none changed. No pairs: {}."""
     pairs = list(zip(outputs, originals))
     if not pairs:
         return {}
@@ -52,7 +54,7 @@ def compare_answers(outputs: list[list[int]], originals: list[list[int]]) -> dic
     changed = [n for n, (o, r) in zip(common, pairs) if o != r]
     return {"agreement": mean(o == r for o, r in pairs),
             "token_agreement": mean(n / max(len(r), 1) for n, (_, r) in zip(common, pairs)),
-            "first_divergence": mean(changed) if changed else None}
+            "first_divergence": statistics.median(changed) if changed else None}
 
 
 def compare_nll(original, model, sets: dict[str, list[dict]], device: torch.device) -> dict[str, dict]:

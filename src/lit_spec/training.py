@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from lit_spec.callbacks import SpeedupCallback
 from lit_spec.checks import check_block_size, check_checkpoint_model, check_run
 from lit_spec.config import build
-from lit_spec.console import training_summary
+from lit_spec.console import training_summary, verdict
 from lit_spec.errors import Interrupted, signal_of
 from lit_spec.export import export_pretrained
 from lit_spec.io import write_json
@@ -44,11 +44,14 @@ class _FinishRun(L.Callback):
         metrics["global_step"] = trainer.global_step
         if self.cfg.get("export_dir"):
             export_pretrained(trainer, module, self.cfg.export_dir, self.cfg.get("export_dtype", "auto"))
+        speedup = next((c for c in trainer.callbacks if isinstance(c, SpeedupCallback)), None)
+        prompts = len(speedup.records or []) if speedup else 0
+        said = verdict(speedup.history[-1][1], prompts) if speedup and speedup.history else None
+        if said:                  # the trade in words, in metrics.json too
+            metrics["verdict"] = said
         if trainer.is_global_zero:
             write_json(Path(self.cfg.paths.output_dir) / "metrics.json", metrics)
-            speedup = next((c for c in trainer.callbacks if isinstance(c, SpeedupCallback)), None)
-            log.info("\n%s", training_summary(self.cfg, metrics, speedup.history if speedup else [],
-                                               len(speedup.records or []) if speedup else 0,
+            log.info("\n%s", training_summary(self.cfg, metrics, speedup.history if speedup else [], prompts,
                                                time.monotonic() - self.started))
         self.metrics = metrics
 

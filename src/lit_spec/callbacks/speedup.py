@@ -9,7 +9,7 @@ output is token-identical to the current greedy AR output: the lossless check) a
 Quality: ``quality/agreement`` (share of prompts whose greedy AR output still equals the original model's, decoded
 before the first training step and kept in the callback's state, so a resumed run compares with the original),
 ``quality/token_agreement`` (mean common-prefix length / original length) and ``quality/first_divergence`` (over the
-changed outputs, the mean number of tokens still equal before the first differing one; logged once one changed);
+changed outputs, the median number of tokens still equal before the first differing one; logged once one changed);
 ``quality/<metric>`` when the datamodule names a task metric (``data.metric``), scoring the AR outputs against the
 dataset's answers (or by execution: ``pass_at_1``), and ``quality/<metric>/NAME`` for every other decoder's outputs.
 ``time/measure_s``: what the measurement cost.

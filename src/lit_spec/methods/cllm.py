@@ -13,6 +13,7 @@ plus the AR loss on the target's answer l that keeps it close to the target (eq.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from lit_spec.data import IGNORE_INDEX, TrajectoryDataModule
 from lit_spec.data.trajectory_data import AR_TARGETS
@@ -56,10 +57,8 @@ class CLLMModule(ConsistencyModule):
         student = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         # logits at position t predict token t+1; the mask marks the t's of the block's n predictions (eq. 4 / 5)
         consistency = losses.distance(student, teacher, batch["consistency_mask"], hp.distance, hp.jsd_beta)
-        labels = batch["ar_labels"]
-        if (labels[:, 1:] != IGNORE_INDEX).any():  # eq. 6, as a mean over the answer tokens
-            ar = self.model(input_ids=batch["ar_input_ids"], attention_mask=batch["ar_attention_mask"],
-                            labels=labels).loss
-        else:                                       # no answer token in the batch (ar_target=dataset, empty refs)
-            ar = consistency * 0.0
+        inputs = {"input_ids": batch["ar_input_ids"], "attention_mask": batch["ar_attention_mask"]}
+        # eq. 6 as a mean over the answer tokens; logits at t predict token t+1
+        labels = F.pad(batch["ar_labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+        ar = self._ar(self.model(**inputs).logits, labels, **inputs)
         return consistency, ar

@@ -1,14 +1,27 @@
 """What CLLM and Jacobi Forcing share: a causal LM trained on its own Jacobi trajectories with a consistency loss and
 an AR loss, L = L_consistency + ω·L_AR (CLLM eq. 7; Jacobi Forcing keeps the form and ω = 10). Subclasses compute the
-two terms (``_losses``) and offer their decoders; this base checks the shared settings, sums and logs."""
+two terms (``_losses``, the AR one through ``_ar``) and offer their decoders; this base checks the shared settings,
+sums and logs.
+
+The AR term fits either the one-hot answer tokens (``ar_teacher=labels``, CLLM eq. 6) or, to keep the model the model
+it was (``ar_teacher=original``), the original model's whole next-token distribution at the same positions: forward
+KL(p_original ‖ q_θ), self-distillation. The original is a frozen copy loaded beside the model (one more no-grad
+forward per batch, and the model's weights once more per rank; nothing of it is checkpointed). Storing its top-k
+log-probabilities with the trajectories would scale to 7B with less memory, but ties every cached trajectory set to
+one recipe; the copy keeps the data as it is."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from lit_spec.data import IGNORE_INDEX
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.methods import losses
 from lit_spec.methods.method_module import MethodModule
+
+
+AR_TEACHERS = ("labels", "original")
 
 
 class ConsistencyModule(MethodModule):
@@ -16,16 +29,43 @@ class ConsistencyModule(MethodModule):
         n_tokens: n, the Jacobi block size of ``decoders()``.
         distance: D of the consistency loss: ``forward_kl`` (both papers') | ``reverse_kl`` | ``jsd``; jsd_beta: β.
         ar_weight: ω.
+        ar_teacher: what the AR term fits: ``labels`` (the answer tokens, CLLM eq. 6) or ``original`` (the original
+            model's distribution: self-distillation, which holds the model in place).
     """
 
     def __init__(self, model_spec, n_tokens: int = 16, distance: str = "forward_kl", jsd_beta: float = 0.5,
-                 ar_weight: float = 10.0, **kwargs):
+                 ar_weight: float = 10.0, ar_teacher: str = "labels", **kwargs):
+        if ar_teacher not in AR_TEACHERS:
+            raise ConfigError(f"method.ar_teacher={ar_teacher!r}: choose one of {list(AR_TEACHERS)}")
         check_count("method.n_tokens", n_tokens)
         losses.check_distance(distance, jsd_beta)
         if isinstance(ar_weight, bool) or not isinstance(ar_weight, (int, float)) or not ar_weight >= 0:
             raise ConfigError(f"method.ar_weight={ar_weight!r}: must be a number >= 0 (ω of CLLM eq. 7)")
         super().__init__(model_spec, n_tokens=n_tokens, distance=distance, jsd_beta=jsd_beta, ar_weight=ar_weight,
-                         **kwargs)
+                         ar_teacher=ar_teacher, **kwargs)
+        self.original: torch.nn.Module | None = None
+
+    @property
+    def frozen(self) -> tuple[str, ...]:
+        return ("original",) if self.hparams.ar_teacher == "original" else ()
+
+    def build_models(self) -> None:
+        super().build_models()
+        if self.frozen and self.original is None:
+            self.original = self.load_frozen()
+
+    def _ar(self, logits: torch.Tensor, labels: torch.Tensor, **inputs) -> torch.Tensor:
+        """L_AR at the positions ``labels`` marks (``logits[t]`` predicts ``labels[t]``): the mean cross-entropy of
+        the labels (eq. 6), or the mean forward KL from the original model's distribution there, the original run on
+        the same ``inputs``; 0 in the graph when no position is marked."""
+        at = labels != IGNORE_INDEX
+        if not at.any():
+            return logits.sum() * 0.0
+        if self.hparams.ar_teacher == "labels":
+            return F.cross_entropy(logits[at].float(), labels[at])
+        with torch.no_grad():
+            original = self.original(**inputs).logits
+        return losses.pointwise(logits[at], original[at], "forward_kl").mean()
 
     def _losses(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(L_consistency, L_AR) of a batch."""

@@ -21,9 +21,8 @@ recycling over the trained model; the export is a plain HF model, as CLLM's.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from lit_spec.data import IGNORE_INDEX, NoisyTrajectoryDataModule
+from lit_spec.data import NoisyTrajectoryDataModule
 from lit_spec.decoding.jacobi import JacobiDecoder
 from lit_spec.decoding.masks import attention_mask, noise_aware
 from lit_spec.decoding.multiblock import MultiBlockDecoder, check_settings
@@ -64,9 +63,6 @@ class JacobiForcingModule(ConsistencyModule):
         row, noisy, clean, block = batch["pairs"].unbind(-1)
         d = losses.pointwise(logits[row, noisy], logits[row, clean], hp.distance, hp.jsd_beta)
         consistency = losses.mean_of_sums(d, block, logits)
-        labels = batch["labels"]
-        if (labels != IGNORE_INDEX).any():
-            ar = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
-        else:
-            ar = logits.sum() * 0.0
+        ar = self._ar(logits, batch["labels"], input_ids=batch["input_ids"], attention_mask=mask,
+                      position_ids=batch["position_ids"])
         return consistency, ar

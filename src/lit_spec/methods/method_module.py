@@ -23,6 +23,24 @@ if TYPE_CHECKING:
     from lit_spec.decoding import Decoder
 
 
+# Frozen parts (``MethodModule.frozen``: a frozen base, the original model an AR term distils from) are rebuilt from
+# ``hparams.model_spec`` (its identity is kept in checkpoints, and checked on resume), so the module's state dict leaves
+# them out under every strategy (Lightning's, DeepSpeed's and FSDP's distributed checkpoints all read ``state_dict()``),
+# and loading puts the live parts' own weights back: a missing or unexpected key of what trains still fails a strict
+# load.
+def _without_frozen(module, state: dict, prefix: str, local_metadata) -> None:
+    for name in module.frozen:
+        for key in [k for k in state if k.startswith(f"{prefix}{name}.")]:
+            del state[key]
+
+
+def _with_frozen(module, state: dict, prefix: str, *args) -> None:
+    for name in module.frozen:
+        if getattr(module, name, None) is not None:
+            for key, value in getattr(module, name).state_dict().items():
+                state.setdefault(f"{prefix}{name}.{key}", value)
+
+
 class MethodModule(L.LightningModule):
     """Args:
         model_spec: the ``model`` group's spec (or its dict, when restored from a checkpoint).
@@ -36,6 +54,8 @@ class MethodModule(L.LightningModule):
                          "target's own answers (data=self_distilled)")
     #: the attribute holding the model ``export`` writes (``model``; a distilled draft: ``student``)
     exported: str = "model"
+    #: the attributes holding frozen models (eval mode, no gradient, never checkpointed or exported)
+    frozen: tuple[str, ...] = ()
     #: read by Lightning's ThroughputMonitor: None, FLOPs are not counted (its tokens/s is our throughput figure)
     flops_per_batch: float | None = None
 
@@ -50,6 +70,8 @@ class MethodModule(L.LightningModule):
         self.hparams["model_spec"] = self.model_spec.to_dict()
         self.model: torch.nn.Module | None = None
         self._policy: PrecisionPolicy | None = None
+        self.register_state_dict_post_hook(_without_frozen)
+        self.register_load_state_dict_pre_hook(_with_frozen)
 
     def configure_model(self) -> None:
         """Build the models (``build_models``); under ``strategy=fsdp`` (Lightning's ``ModelParallelStrategy``) shard
@@ -76,17 +98,31 @@ class MethodModule(L.LightningModule):
         if self.model is None:   # from_pretrained returns eval mode
             self.model = self.model_spec.load_model(self.policy.trained).train()
 
+    def load_frozen(self) -> torch.nn.Module:
+        """The model spec's weights as a frozen part: eval mode, no gradient, in ``model.dtype``."""
+        return self.model_spec.load_model().eval().requires_grad_(False)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for name in self.frozen:
+            if getattr(self, name, None) is not None:
+                getattr(self, name).eval()      # a frozen part never trains (no dropout)
+        return self
+
     def decoders(self) -> dict[str, Decoder]:
         """The fast decoders this method trains the model for, by name, built over ``self.model`` (e.g. CLLM's
         ``{"jacobi": JacobiDecoder(self.model, n_tokens=...)}``); the speedup callback measures each against AR."""
         return {}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Name the method (its class and the method classes it extends) and the model's sizes in every checkpoint:
-        resuming it with another method or a model of other sizes is refused (``check_checkpoint``)."""
+        """Name the method (its class and the method classes it extends) and the model's sizes in every checkpoint,
+        and the identity of the weights its frozen parts are rebuilt from: resuming it with another method, a model of
+        other sizes or other frozen weights is refused (``check_checkpoint``)."""
         checkpoint["method"] = [c.__name__ for c in type(self).__mro__
                                 if issubclass(c, MethodModule) and c is not MethodModule]
         checkpoint["model_shape"] = model_shape(self.model.config)
+        if self.frozen:
+            checkpoint["base_identity"] = self.model_spec.identity()
 
     def configure_optimizers(self):
         return build_optimizer(self, self.hparams)
