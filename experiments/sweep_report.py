@@ -2,6 +2,7 @@
 τ–drift frontier: how fast each recipe made the model against how far it moved it.
 
     python experiments/sweep_report.py logs/train/multiruns/<date>            # writes sweep.md, sweep.png there
+    python experiments/sweep_report.py SWEEP_DIR OTHER_SWEEP_DIR ...          # several sweeps as one (in the first)
 
 Each job directory holds ``.hydra/overrides.yaml`` (what the sweep set), ``metrics.json`` (final metrics, written
 when training ends) and ``csv/metrics.csv`` (every logged value, with its step). The swept parameters are the
@@ -30,7 +31,7 @@ COLUMNS = {  # metric key -> table header
     "exact_match/jacobi": "Jacobi = AR",
     "drift/nll_change/humaneval": "HumanEval NLL change",
     "drift/nll_change/heldout": "held-out NLL change",
-    "quality/agreement": "agreement with target",
+    "quality/agreement": "greedy answers unchanged",
     "quality/first_divergence": "first divergence (median, tokens)",
     "quality/token_agreement": "token agreement",
     "val/ar": "val AR loss",
@@ -53,8 +54,22 @@ def load_jobs(sweep: Path) -> list[dict]:
             with log.open() as f:
                 curve = [(int(r["step"]), float(r["mean_accepted/jacobi"])) for r in csv.DictReader(f)
                          if r.get("mean_accepted/jacobi")]
-        jobs.append({"dir": job.name, "overrides": overrides, "metrics": metrics, "tau_curve": curve})
+        config = job / ".hydra" / "config.yaml"
+        jobs.append({"dir": job.name, "overrides": overrides, "metrics": metrics, "tau_curve": curve,
+                     "config": yaml.safe_load(config.read_text()) if config.is_file() else {}})
     return jobs
+
+
+def fill_overrides(jobs: list[dict]) -> None:
+    """Jobs of several sweeps: a key one sweep set and another did not gets, where unset, the job's own value (its
+    composed ``.hydra/config.yaml``)."""
+    for key in {k for j in jobs for k in j["overrides"]}:
+        for j in jobs:
+            if key not in j["overrides"]:
+                value = j["config"]
+                for part in key.lstrip("+").split("."):
+                    value = value.get(part) if isinstance(value, dict) else None
+                j["overrides"][key] = "" if value is None else str(value)
 
 
 def swept_keys(jobs: list[dict]) -> list[str]:
@@ -68,8 +83,11 @@ def markdown(jobs: list[dict], keys: list[str]) -> str:
              "|---" * (1 + len(keys) + len(present)) + "|"]
     for j in jobs:
         values = [j["overrides"].get(k, "") for k in keys]
+        prompts = ((j["config"].get("callbacks") or {}).get("speedup") or {}).get("num_prompts")
         for m in present:
             v = j["metrics"].get(m)
+            if v is not None and m == "quality/agreement" and prompts:     # a count of the decoded prompts
+                v = f"{round(v * prompts)}/{prompts}"
             values.append("–" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v))
         lines.append(f"| {j['dir']} | " + " | ".join(values) + " |")
     return "\n".join(lines) + "\n"
@@ -135,18 +153,25 @@ def _num(value):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("sweep_dir", type=Path)
+    parser.add_argument("sweep_dirs", type=Path, nargs="+", help="multirun directories; the report goes in the first")
     args = parser.parse_args(argv)
-    jobs = load_jobs(args.sweep_dir) if args.sweep_dir.is_dir() else []
-    if not jobs:
-        print(f"error: {args.sweep_dir}: no Hydra job directories (with .hydra/overrides.yaml) in it", file=sys.stderr)
-        return 2
+    jobs = []
+    for sweep in args.sweep_dirs:
+        found = load_jobs(sweep) if sweep.is_dir() else []
+        if not found:
+            print(f"error: {sweep}: no Hydra job directories (with .hydra/overrides.yaml) in it", file=sys.stderr)
+            return 2
+        if len(args.sweep_dirs) > 1:      # jobs named by their sweep too
+            found = [dict(j, dir=f"{sweep.name}/{j['dir']}") for j in found]
+        jobs += found
+    fill_overrides(jobs)
+    out = args.sweep_dirs[0]
     keys = swept_keys(jobs)
     table = markdown(jobs, keys)
-    (args.sweep_dir / "sweep.md").write_text(table)
-    plot(jobs, keys, args.sweep_dir / "sweep.png")
+    (out / "sweep.md").write_text(table)
+    plot(jobs, keys, out / "sweep.png")
     print(table)
-    print(f"wrote {args.sweep_dir / 'sweep.md'} and {args.sweep_dir / 'sweep.png'}")
+    print(f"wrote {out / 'sweep.md'} and {out / 'sweep.png'}")
     return 0
 
 

@@ -42,7 +42,7 @@ def test_table_and_plot_of_a_sweep(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 0
     table = (tmp_path / "sweep.md").read_text().splitlines()
     assert table[0].startswith("| job | method.ar_weight | method.n_tokens | Jacobi speedup | τ (tokens/forward) | "
-                               "HumanEval NLL change | agreement with target | first divergence (median, tokens)")
+                               "HumanEval NLL change | greedy answers unchanged | first divergence (median, tokens)")
     assert table[3] == "| 1 | 1 | 16 | 1.8 | 2.25 | 0.25 | 0.5 | 7 | 10 |"
     assert (tmp_path / "sweep.png").stat().st_size > 1000
     assert "sweep.md" in capsys.readouterr().out
