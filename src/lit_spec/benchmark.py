@@ -23,7 +23,7 @@ from lit_spec.data.metrics import EXECUTION_METRICS, get_metric, score_answers
 from lit_spec.data.repetition import RepetitionFilter
 from lit_spec.drift import HELDOUT, check_drift_data, compare_answers, compare_nll, drift_records
 from lit_spec.errors import ConfigError, check_count
-from lit_spec.io import write_json
+from lit_spec.io import write_json, write_text
 from lit_spec.measure import HFPeer, build_decoders, compare, decode_prompts, warm_up
 from lit_spec.stages import ensure_stages
 
@@ -242,7 +242,7 @@ def write_report(results: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "bench.json", results)
     asked = results.get("num_prompts_asked", results["num_prompts"])
-    (out_dir / "bench.md").write_text(
+    write_text(out_dir / "bench.md",
         f"{results['num_prompts']} prompts"
         + (f" (bench.num_prompts={asked}: the split has only {results['num_prompts']})"
            if asked != results["num_prompts"] else "")

@@ -1,8 +1,11 @@
 """User-facing errors: raised before work starts, printed as one line by the entry points."""
 
+import errno
+import shutil
 import signal
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 
 class LitSpecError(Exception):
@@ -34,6 +37,28 @@ def one_line_errors():
     except LitSpecError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+
+
+class DiskFull(LitSpecError):
+    """A write that found its device full. Nothing is lost by it: every file that matters is written beside its
+    target and renamed into place, so the target is the last whole one or absent. Exits 1."""
+
+    exit_code = 1
+    ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+    @classmethod
+    def writing(cls, path, needed: int | None = None) -> "DiskFull":
+        path = Path(path)
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        size = f", needs about {needed / 2**20:.1f} MB" if needed else ""
+        return cls(f"no space left on the device of {path.parent} writing {path.name} ({free / 2**20:.1f} MB free"
+                   f"{size})")
+
+
+class LostRank(LitSpecError):
+    """A rank of a multi-process run died (or its connection did): the run stops, saying where to resume. Exits 1."""
+
+    exit_code = 1
 
 
 class ConfigError(LitSpecError):

@@ -14,14 +14,45 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from lit_spec.errors import ConfigError
+from lit_spec.errors import ConfigError, DiskFull
 
 log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, needed: int | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` to write; once written it is fsynced and renamed onto ``path`` (one
+    rename within its directory: readers find the old file or the new one, never part of one). On any failure it is
+    deleted; a full device raises ``DiskFull`` naming the directory (and ``needed``, the bytes expected, if known)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+        os.close(fd)
+    except OSError as e:
+        _raise_disk_full(e, path, needed)
+        raise
+    try:
+        yield Path(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        _raise_disk_full(e, path, needed)
+        raise
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _raise_disk_full(error: OSError, path: Path, needed: int | None) -> None:
+    if error.errno in DiskFull.ERRNOS:
+        raise DiskFull.writing(path, needed) from None
+
+
+@contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary directory beside ``path``; on success it replaces ``path`` in one rename.
+    """Yield a temporary directory beside ``path``; on success it replaces ``path`` (``replace_dir``).
 
     An interrupted writer leaves only a ``.tmp-*`` sibling behind, never a half-written ``path``.
     """
@@ -30,12 +61,31 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
     try:
         yield tmp
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        replace_dir(tmp, path)
+    except OSError as e:
+        _raise_disk_full(e, path, None)
+        raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_dir(written: Path, path: Path) -> None:
+    """Put ``written`` (a whole directory, or file, beside ``path``) in place of ``path``: renames only, so ``path``
+    is at every moment the old one, absent for an instant, or the new one, never a mix."""
+    old = path.with_name(f".old-{path.name}")
+    _remove(old)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(written, path)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def launch_rank() -> int:
@@ -112,19 +162,9 @@ def check_writable(directory: str | os.PathLike, what: str) -> None:
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` atomically (temporary file in the same directory, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """Write ``text`` atomically (``atomic_file``)."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

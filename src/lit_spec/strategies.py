@@ -21,11 +21,13 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 
+from lit_spec.checkpoints import WholeDirectorySave
 
-class DeepSpeedStrategy(LightningDeepSpeedStrategy):
+
+class DeepSpeedStrategy(WholeDirectorySave, LightningDeepSpeedStrategy):
     """``lightning.pytorch.strategies.DeepSpeedStrategy`` with the same arguments, plus ZeRO-3's
     ``param_persistence_threshold`` (parameters of at most this many elements are never partitioned; DeepSpeed's
-    default, 1e5, keeps a small model whole); runs on CUDA or on the CPU."""
+    default, 1e5, keeps a small model whole); runs on CUDA or on the CPU; checkpoints whole or not at all."""
 
     def __init__(self, *args, param_persistence_threshold: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -61,6 +63,10 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
         finally:
             # only while the model is built: a from_pretrained after it (the export, on rank 0 alone) is not sharded
             del hf_config
+
+
+class FSDPStrategy(WholeDirectorySave, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (torch's FSDP2 here), its checkpoints whole or not at all."""
 
 
 def fully_shard_model(model: torch.nn.Module, mesh) -> None:

@@ -13,11 +13,13 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lit_spec.callbacks import SpeedupCallback
+from lit_spec.callbacks import RankWatch, SpeedupCallback
+from lit_spec.callbacks.rank_watch import after_a_lost_peer, is_lost_peer
+from lit_spec.checkpoints import AtomicCheckpointIO, resume_hint
 from lit_spec.checks import check_block_size, check_checkpoint_model, check_run
 from lit_spec.config import build
 from lit_spec.console import training_summary, verdict
-from lit_spec.errors import Interrupted, signal_of
+from lit_spec.errors import DiskFull, Interrupted, LitSpecError, LostRank, signal_of
 from lit_spec.export import export_pretrained
 from lit_spec.io import write_json
 from lit_spec.loggers import finish_wandb
@@ -61,12 +63,19 @@ def _instantiate_group(group: DictConfig | None) -> list:
     return [instantiate(c) for c in (group or {}).values() if c is not None and "_target_" in c]
 
 
-def resume_hint(cfg: DictConfig) -> str:
-    checkpoints = Path(cfg.paths.output_dir) / "checkpoints"
-    for name in ("interrupted.ckpt", "last.ckpt"):
-        if (checkpoints / name).exists():
-            return f"resume with ckpt_path={checkpoints / name}"
-    return "no checkpoint was written: rerun it"
+def _stopped(error: BaseException, step: int, hint: str) -> LitSpecError | None:
+    """What a fit that stopped before its end says, in one line with where to resume; None: not ours to explain."""
+    if isinstance(error, SystemExit):      # SIGTERM / Ctrl-C: InterruptCheckpoint has saved where training stood
+        return Interrupted(f"training stopped at step {step}, before its end (no export, no metrics.json); {hint}",
+                           signal_of(error))
+    if isinstance(error, DiskFull) or (isinstance(error, OSError) and error.errno in DiskFull.ERRNOS):
+        what = error if isinstance(error, DiskFull) else f"no space left on the device writing {error.filename}"
+        return DiskFull(f"{what} at step {step}: free space there, then {hint}")
+    if isinstance(error, RuntimeError) and is_lost_peer(error):
+        after_a_lost_peer()               # RankWatch may name the dead rank (and end this process) first
+        return LostRank(f"a peer rank is gone ({str(error).strip().splitlines()[0][:160]}) at step {step}, so the "
+                        f"run stopped: {hint}")
+    return None
 
 
 def run_training(cfg: DictConfig) -> dict[str, float]:
@@ -88,10 +97,10 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
     check_block_size(cfg.method, datamodule)
     module = build(cfg.method, model_spec=model_spec)
 
-    finish = _FinishRun(cfg)
+    finish, checkpoints = _FinishRun(cfg), Path(cfg.paths.output_dir) / "checkpoints"
     trainer: L.Trainer = instantiate(cfg.trainer, _partial_=True)(
-        callbacks=[*_instantiate_group(cfg.get("callbacks")), finish],
-        logger=_instantiate_group(cfg.get("logger")) or False)
+        callbacks=[*_instantiate_group(cfg.get("callbacks")), finish, RankWatch(str(checkpoints))],
+        logger=_instantiate_group(cfg.get("logger")) or False, plugins=[AtomicCheckpointIO()])
     policy = precision_policy(trainer.strategy, trainer.precision)
     check_policy(policy, type(trainer.strategy).__name__, trainer.precision)
     if trainer.is_global_zero:
@@ -105,8 +114,10 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
         if finish.metrics is None:  # ddp_spawn: the run finished in worker processes, whose rank 0 wrote these
             return json.loads((Path(cfg.paths.output_dir) / "metrics.json").read_text())
         return finish.metrics
-    except SystemExit as stop:      # SIGTERM / Ctrl-C: InterruptCheckpoint has saved where training stood
-        raise Interrupted(f"training stopped at step {trainer.global_step}, before its end (no export, no "
-                          f"metrics.json); {resume_hint(cfg)}", signal_of(stop)) from None
+    except (SystemExit, OSError, RuntimeError, DiskFull) as error:
+        stop = _stopped(error, trainer.global_step, resume_hint(checkpoints))
+        if stop is None:
+            raise
+        raise stop from None
     finally:
         finish_wandb()

@@ -4,15 +4,23 @@
 - it is not an ``OnExceptionCheckpoint``: Lightning's ``fit(ckpt_path=None)`` turns into ``ckpt_path="last"`` when one
   is configured and resumes from any ``last.ckpt`` it finds, so a run would resume one nobody named;
 - nothing is saved before the first optimizer step: a step-0 checkpoint (e.g. after a ``ckpt_path`` that failed to
-  load) holds nothing to resume, only a misleading file.
+  load) holds nothing to resume, only a misleading file;
+- nothing is saved after a full disk or a lost peer rank, and a save that fails is logged, never raised over the
+  exception that stopped training (the checkpoint is written whole or not at all: ``lit_spec.checkpoints``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
+
+from lit_spec.callbacks.rank_watch import is_lost_peer
+from lit_spec.errors import DiskFull
+
+log = logging.getLogger(__name__)
 
 
 class InterruptCheckpoint(Checkpoint):
@@ -25,8 +33,13 @@ class InterruptCheckpoint(Checkpoint):
         return os.path.join(self.dirpath, f"{self.filename}.ckpt")
 
     def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
-        if trainer.global_step > 0:
+        if trainer.global_step == 0 or isinstance(exception, DiskFull) or is_lost_peer(exception) or (
+                isinstance(exception, OSError) and exception.errno in DiskFull.ERRNOS):
+            return                         # nothing to save yet, no room for it, or no peer to save it with
+        try:
             trainer.save_checkpoint(self.ckpt_path)
+        except Exception as e:            # never raised over the exception that stopped training
+            log.warning("no %s: %s", self.ckpt_path, e)
 
     def teardown(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
         """Called when a fit ends without an exception: no interrupted checkpoint is left behind (as Lightning's)."""

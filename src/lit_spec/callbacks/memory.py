@@ -10,7 +10,6 @@ and the median time of a training step; it writes them to ``memory.rank<r>.json`
 
 from __future__ import annotations
 
-import json
 import resource
 import statistics
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from lit_spec.io import write_json
 from lit_spec.strategies import local_tensor, whole_numel
 
 MB = 2**20
@@ -88,7 +88,7 @@ class MemoryMonitor(L.Callback):
         }
         if torch.cuda.is_available():
             report["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / MB
-        Path(trainer.default_root_dir, f"memory.rank{trainer.global_rank}.json").write_text(json.dumps(report))
+        write_json(Path(trainer.default_root_dir, f"memory.rank{trainer.global_rank}.json"), report)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics({f"memory/{k}": v for k, v in report.items() if isinstance(v, float)},

@@ -1,0 +1,77 @@
+"""A rank that dies ends the run in one line. On the launching process (global rank 0 of a node, whose Lightning
+launcher started the node's other ranks), one thread per started rank waits for its process; the moment one dies it
+prints which rank, how it died, the step and the newest whole checkpoint to resume from, stops the node's other
+ranks and exits 1. It must be quick: Lightning's own observer SIGKILLs the launcher (silently) within 5 s of a
+child's death, and under NCCL the peers would otherwise wait for the collective timeout (``dist_timeout_s``). A rank
+that learns of a lost peer from a failed collective instead (gloo: "Connection closed by peer"; another node's rank)
+says so through ``lit_spec.errors.LostRank`` (``lit_spec.training``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import lightning as L
+
+from lit_spec.checkpoints import resume_hint
+
+_report = threading.Lock()     # one line per process, from whichever path learns of the loss first
+_watching = threading.Event()  # set where RankWatch waits on started ranks
+
+
+def claim_report() -> bool:
+    """True for the first caller only: it prints the line; a later one leaves the process to it."""
+    return _report.acquire(blocking=False)
+
+
+def after_a_lost_peer(seconds: float = 3.0) -> None:
+    """On a failed collective: where RankWatch waits on this node's ranks, give it the time to name the dead one (it
+    ends the process); then return to report it here, or, if a report is under way, wait for it to end the process."""
+    if _watching.is_set():
+        time.sleep(seconds)
+    if not claim_report():
+        threading.Event().wait()
+
+
+def how_it_ended(returncode: int) -> str:
+    return f"killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"exit code {returncode}"
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    """A collective that failed because a peer is gone: gloo's closed connection, NCCL's remote error or timeout."""
+    text = str(error)
+    return type(error).__name__ == "DistBackendError" or any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                      "remote process exited", "Timed out", "timed out"))
+
+
+class RankWatch(L.Callback):
+    """Args: checkpoints: the directory whose newest whole checkpoint the line names."""
+
+    def __init__(self, checkpoints: str):
+        self.checkpoints = Path(checkpoints)
+
+    def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
+        procs = getattr(trainer.strategy.launcher, "procs", None) or []
+        first = trainer.node_rank * trainer.num_devices
+        if procs:
+            _watching.set()
+        for local_rank, proc in enumerate(procs, start=1):
+            threading.Thread(target=self._wait, args=(trainer, procs, first + local_rank, proc), daemon=True,
+                             name=f"rank-watch-{local_rank}").start()
+
+    def _wait(self, trainer: L.Trainer, procs: list, rank: int, proc) -> None:
+        returncode = proc.wait()
+        if returncode == 0 or not claim_report():
+            return
+        print(f"error: rank {rank} (pid {proc.pid}) died ({how_it_ended(returncode)}) at step "
+              f"{trainer.global_step}, so the run stopped: {resume_hint(self.checkpoints)}", file=sys.stderr,
+              flush=True)
+        for other in procs:
+            if other.poll() is None:
+                other.kill()
+        os._exit(1)

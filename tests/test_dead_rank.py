@@ -1,0 +1,67 @@
+"""A rank that dies mid-run, on 2 CPU processes (DDP, gloo) launched as a user launches them: SIGKILL rank 1 once a
+periodic checkpoint exists; the launching rank ends within 60 s with one ``error:`` line naming the dead rank, how it
+died and the checkpoint to resume from, and that checkpoint resumes. Marked ``distributed``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import MICRO_RUN
+
+pytestmark = pytest.mark.distributed
+RUN = [*MICRO_RUN, "strategy=ddp", "trainer.devices=2", "trainer.val_check_interval=1000",
+       "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.model_checkpoint.monitor=null"]
+
+
+def train(run_dir: Path, *overrides: str, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "lit_spec.train", *RUN, *overrides, f"hydra.run.dir={run_dir}"],
+                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=out,
+                                start_new_session=True)
+
+
+def rank_one(launcher: int) -> int:
+    """The training process the launcher (rank 0) started for rank 1."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    (pid,) = [int(c) for c in children if b"lit_spec.train" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return pid
+
+
+def test_a_killed_rank_ends_the_run_in_one_line_that_names_it_and_the_checkpoint(tmp_path):
+    run, log = tmp_path / "run", tmp_path / "run.err"
+    proc = train(run, "trainer.max_steps=100000", log=log)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints" / "last.ckpt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        time.sleep(2)                                     # mid-run, between checkpoints
+        dead = rank_one(proc.pid)
+        os.kill(dead, signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait(timeout=60)
+        assert time.monotonic() - killed < 60
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = log.read_text()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    checkpoint = run / "checkpoints" / "last.ckpt"
+    assert lines[-1].startswith(f"error: rank 1 (pid {dead}) died (killed by SIGKILL) at step "), lines[-1]
+    assert lines[-1].endswith(f"so the run stopped: resume with ckpt_path={checkpoint}"), lines[-1]
+    assert not (run / "checkpoints" / "interrupted.ckpt").exists()
+
+    step = torch.load(checkpoint, weights_only=False, map_location="cpu")["global_step"]
+    resumed = train(run, f"trainer.max_steps={step + 2}", f"ckpt_path={checkpoint}", log=tmp_path / "resumed.err")
+    assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.err").read_text()[-3000:]
