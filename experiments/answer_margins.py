@@ -40,8 +40,9 @@ def main(overrides: list[str]) -> None:
         top = probs.topk(2, dim=-1).values
         gaps.append(top[:, 0] - top[:, 1])
     gaps = torch.cat(gaps)
+    share = {t: (gaps < t).float().mean() for t in (0.01, 0.05)}
     print(f"{len(records)} answers, {gaps.numel()} tokens: top-2 probability gap median {gaps.median():.3f}; "
-          f"under 0.01 at {(gaps < 0.01).float().mean():.1%} of tokens, under 0.05 at {(gaps < 0.05).float().mean():.1%}")
+          f"under 0.01 at {share[0.01]:.1%} of tokens, under 0.05 at {share[0.05]:.1%}")
     clear = sum(int((g >= 0.01).all()) for g in gaps.split([len(a) for a in answers]))
     print(f"answers with no token under a gap of 0.01: {clear}/{len(records)}")
     state = {k: v.clone() for k, v in model.state_dict().items()}

@@ -277,7 +277,9 @@ def test_offline_defaults_are_the_quickstarts_spelled_out(tmp_path):
     assert (paper.window, paper.ngram, paper.guesses) == (15, 5, 15)
     assert compose_config(["decoding=[jacobi]"], config_name="bench").decoding.keys() == {"jacobi"}
     assert compose_config(["decoding.lookahead.window=7"], config_name="bench").decoding.lookahead.window == 7
-    assert compose_config(["method=cllm"]).method.lr == 2e-5 and compose_config([]).method.lr == 2e-3
+    paper, default = compose_config(["method=cllm"]).method, compose_config([]).method
+    assert (paper.lr, paper.ar_teacher, paper.ar_weight) == (2e-5, "labels", 10.0)     # Table 6's L_GC + 10·L_AR
+    assert (default.lr, default.ar_teacher, default.ar_weight) == (5e-4, "original", 50.0)   # the frontier's pick
 
 
 def test_methods_share_one_optimizer_config():
