@@ -192,12 +192,11 @@ def test_method_trains_exports_and_resumes_on_two_processes(method, strategy, tm
 
 def check_resume(first: Path, resumed: Path, run: list[str], method: str, rel: float = 1e-5) -> None:
     """Resumed from the sharded checkpoint of step 2 (mid-epoch), the run trains steps 2..5 on the same batches, to
-    the same losses; a frozen-base method's checkpoint holds what trains, not the base (rebuilt on resume)."""
+    the same losses; a checkpoint holds what trains, not a frozen base or original (rebuilt on resume)."""
     checkpoint = first / "checkpoints" / "step000002.ckpt"
     assert checkpoint.is_dir(), "sharded checkpoints are directories"
-    if method in (*HEADS, "draft_distill"):
-        assert {k.split(".")[0] for k in saved_weights(checkpoint)} == {"student" if method == "draft_distill"
-                                                                        else "heads"}
+    trained = {"draft_distill": "student", **{name: "heads" for name in HEADS}}.get(method, "model")
+    assert {k.split(".")[0] for k in saved_weights(checkpoint)} == {trained}, "no frozen base or original in it"
     steps = json.loads((first / "metrics.json").read_text())["global_step"]
     assert train_cli(resumed, *run, f"ckpt_path={checkpoint}")["global_step"] == steps
     expected = [(s, v) for s, v in logged(first, "train/loss") if s >= 2]
@@ -214,6 +213,8 @@ def test_method_trains_and_exports_in_bf16_mixed(method, strategy, tmp_path, mic
     held to exactness, here; the export is in the model's own dtype (fp32) and decodes losslessly."""
     run = [*method_run(method, tmp_path), *TWO_RANKS, *strategy_run(strategy), "trainer.precision=bf16-mixed",
            "trainer.max_steps=4", "trainer.val_check_interval=2"]
+    if method == "cllm":        # the offline default's AR term: a frozen copy of the original beside the model
+        run.append("method.ar_teacher=original")
     metrics = train_cli(tmp_path / "run", *run)
     assert metrics["global_step"] == 4
     assert len(logged(tmp_path / "run", f"mean_accepted/{METHODS[method][1]}")) == 3

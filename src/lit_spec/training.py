@@ -63,15 +63,16 @@ def _instantiate_group(group: DictConfig | None) -> list:
     return [instantiate(c) for c in (group or {}).values() if c is not None and "_target_" in c]
 
 
-def _stopped(error: BaseException, step: int, hint: str) -> LitSpecError | None:
+def _stopped(error: BaseException, trainer: L.Trainer, hint: str) -> LitSpecError | None:
     """What a fit that stopped before its end says, in one line with where to resume; None: not ours to explain."""
+    step = trainer.global_step
     if isinstance(error, SystemExit):      # SIGTERM / Ctrl-C: InterruptCheckpoint has saved where training stood
         return Interrupted(f"training stopped at step {step}, before its end (no export, no metrics.json); {hint}",
                            signal_of(error))
     if isinstance(error, DiskFull) or (isinstance(error, OSError) and error.errno in DiskFull.ERRNOS):
         what = error if isinstance(error, DiskFull) else f"no space left on the device writing {error.filename}"
         return DiskFull(f"{what} at step {step}: free space there, then {hint}")
-    if isinstance(error, RuntimeError) and is_lost_peer(error):
+    if isinstance(error, RuntimeError) and trainer.world_size > 1 and is_lost_peer(error):
         after_a_lost_peer()               # RankWatch may name the dead rank (and end this process) first
         return LostRank(f"a peer rank is gone ({str(error).strip().splitlines()[0][:160]}) at step {step}, so the "
                         f"run stopped: {hint}")
@@ -115,7 +116,7 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
             return json.loads((Path(cfg.paths.output_dir) / "metrics.json").read_text())
         return finish.metrics
     except (SystemExit, OSError, RuntimeError, DiskFull) as error:
-        stop = _stopped(error, trainer.global_step, resume_hint(checkpoints))
+        stop = _stopped(error, trainer, resume_hint(checkpoints))
         if stop is None:
             raise
         raise stop from None

@@ -20,7 +20,7 @@ import lightning as L
 from lit_spec.checkpoints import resume_hint
 
 _report = threading.Lock()     # one line per process, from whichever path learns of the loss first
-_watching = threading.Event()  # set where RankWatch waits on started ranks
+_started: list = []            # the node's ranks this process started (Popen), where RankWatch waits on them
 
 
 def claim_report() -> bool:
@@ -30,11 +30,19 @@ def claim_report() -> bool:
 
 def after_a_lost_peer(seconds: float = 3.0) -> None:
     """On a failed collective: where RankWatch waits on this node's ranks, give it the time to name the dead one (it
-    ends the process); then return to report it here, or, if a report is under way, wait for it to end the process."""
-    if _watching.is_set():
+    ends the process); then return to report it here (the ranks this process started are stopped: none is left
+    waiting on a dead peer), or, if a report is under way, wait for it to end the process."""
+    if _started:
         time.sleep(seconds)
     if not claim_report():
         threading.Event().wait()
+    _stop(_started)
+
+
+def _stop(procs: list) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def how_it_ended(returncode: int) -> str:
@@ -58,8 +66,7 @@ class RankWatch(L.Callback):
     def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
         procs = getattr(trainer.strategy.launcher, "procs", None) or []
         first = trainer.node_rank * trainer.num_devices
-        if procs:
-            _watching.set()
+        _started[:] = procs
         for local_rank, proc in enumerate(procs, start=1):
             threading.Thread(target=self._wait, args=(trainer, procs, first + local_rank, proc), daemon=True,
                              name=f"rank-watch-{local_rank}").start()
@@ -71,7 +78,5 @@ class RankWatch(L.Callback):
         print(f"error: rank {rank} (pid {proc.pid}) died ({how_it_ended(returncode)}) at step "
               f"{trainer.global_step}, so the run stopped: {resume_hint(self.checkpoints)}", file=sys.stderr,
               flush=True)
-        for other in procs:
-            if other.poll() is None:
-                other.kill()
+        _stop(procs)
         os._exit(1)

@@ -6,9 +6,9 @@ sums and logs.
 The AR term fits either the one-hot answer tokens (``ar_teacher=labels``, CLLM eq. 6) or, to keep the model the model
 it was (``ar_teacher=original``), the original model's whole next-token distribution at the same positions: forward
 KL(p_original ‖ q_θ), self-distillation. The original is a frozen copy loaded beside the model (one more no-grad
-forward per batch, and the model's weights once more per rank; nothing of it is checkpointed). Storing its top-k
-log-probabilities with the trajectories would scale to 7B with less memory, but ties every cached trajectory set to
-one recipe; the copy keeps the data as it is."""
+forward per batch, and the model's weights once more, sharded like the model under ZeRO-3; never checkpointed).
+Storing its top-k log-probabilities with the trajectories would need less memory, but would tie every cached
+trajectory set to one recipe; the copy keeps the data as it is."""
 
 from __future__ import annotations
 
