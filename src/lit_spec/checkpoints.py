@@ -43,8 +43,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or "://" in str(path):    # remote storage: Lightning's own writer
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)
-        with atomic_file(path, needed=checkpoint_size(path.parent)) as tmp, open(tmp, "wb") as f:
-            torch.save(checkpoint, f)   # through a Python file: a full disk is an OSError (ENOSPC), not torch's own
+        try:
+            with atomic_file(path) as tmp, open(tmp, "wb") as f:
+                torch.save(checkpoint, f)   # through a Python file: a full disk is ENOSPC, not torch's own error
+        except DiskFull:                    # the size of the checkpoints already there: what this one needed
+            raise DiskFull.writing(path, checkpoint_size(path.parent)) from None
 
 
 class WholeDirectorySave:

@@ -20,17 +20,17 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, needed: int | None = None) -> Iterator[Path]:
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path`` to write; once written it is fsynced and renamed onto ``path`` (one
     rename within its directory: readers find the old file or the new one, never part of one). On any failure it is
-    deleted; a full device raises ``DiskFull`` naming the directory (and ``needed``, the bytes expected, if known)."""
+    deleted; a full device raises ``DiskFull`` naming the directory."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
         os.close(fd)
     except OSError as e:
-        _raise_disk_full(e, path, needed)
+        _raise_disk_full(e, path)
         raise
     try:
         yield Path(tmp)
@@ -38,16 +38,16 @@ def atomic_file(path: str | os.PathLike, needed: int | None = None) -> Iterator[
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        _raise_disk_full(e, path, needed)
+        _raise_disk_full(e, path)
         raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def _raise_disk_full(error: OSError, path: Path, needed: int | None) -> None:
+def _raise_disk_full(error: OSError, path: Path) -> None:
     if error.errno in DiskFull.ERRNOS:
-        raise DiskFull.writing(path, needed) from None
+        raise DiskFull.writing(path) from None
 
 
 @contextlib.contextmanager
@@ -63,7 +63,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         replace_dir(tmp, path)
     except OSError as e:
-        _raise_disk_full(e, path, None)
+        _raise_disk_full(e, path)
         raise
     finally:
         if tmp.exists():
