@@ -13,8 +13,11 @@ transformers loads into partitioned parameters only while an ``HfDeepSpeedConfig
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
@@ -22,6 +25,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 
 from lit_spec.checkpoints import WholeDirectorySave
+
+log = logging.getLogger(__name__)
 
 
 class DeepSpeedStrategy(WholeDirectorySave, LightningDeepSpeedStrategy):
@@ -47,6 +52,7 @@ class DeepSpeedStrategy(WholeDirectorySave, LightningDeepSpeedStrategy):
     def setup_distributed(self) -> None:
         if self._on_cpu():
             self.parallel_devices = [torch.device("cpu", rank) for rank in range(len(self.parallel_devices))]
+        load_ops(["ShareMemCommBuilder", *(["CPUAdamBuilder"] if offloads_optimizer(self) else [])])
         super().setup_distributed()
 
     @contextmanager
@@ -63,6 +69,30 @@ class DeepSpeedStrategy(WholeDirectorySave, LightningDeepSpeedStrategy):
         finally:
             # only while the model is built: a from_pretrained after it (the export, on rank 0 alone) is not sharded
             del hf_config
+
+
+def load_ops(builders: list[str]) -> None:
+    """Load (JIT-building once) the DeepSpeed ops a run will use, one process at a time under a kernel lock.
+    DeepSpeed builds them under torch's ``FileBaton``, a lock file that a process killed while holding it (a rank
+    stopped mid-start, SIGKILL, the OOM killer) leaves behind, after which every later run waits on it forever.
+    Under the kernel lock, released when its holder dies, no lit_spec process holds a baton, so one found is stale and
+    is removed. A loaded op is cached, so DeepSpeed's own load later does not touch the baton."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import get_default_build_root
+
+    ops = [get_accelerator().create_op_builder(name) for name in builders]
+    ops = [op for op in ops if op is not None and deepspeed.ops.__compatible_ops__.get(op.NAME, False)]
+    root = Path(get_default_build_root())
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "lit_spec.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        for op in ops:
+            for baton in root.glob(f"*/{op.NAME}/lock"):
+                log.warning("removed %s, a build lock left by a killed process (DeepSpeed would wait on it forever)",
+                            baton)
+                baton.unlink(missing_ok=True)
+            op.load()
 
 
 class FSDPStrategy(WholeDirectorySave, ModelParallelStrategy):
