@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import socket
 import subprocess
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -24,25 +27,38 @@ from test_humaneval import problems  # noqa: F401  (HumanEval's 164 problems, a 
 
 
 KERNEL_LEVELS = [pytest.param(level, marks=pytest.mark.skipif(not works(level), reason=f"{level} not available"))
-                 for level in ("bwrap", "nobody")]
+                 for level in ("bwrap", "namespaces", "nobody")]
+WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+# what the nobody level (root, no namespaces but the network's) lets through: world-writable directories,
+# world-readable files and other processes' command lines; the other kernel levels let nothing through
+NOBODY_GAPS = {f"write {d}" for d in WORLD_WRITABLE} | {"read a world-readable file", "see the caller's process"}
 
 
 @pytest.fixture
 def caller(tmp_path):
-    """What the caller owns: a private directory (as pytest makes it), a 0600 secret in it, a listener on loopback."""
+    """What the caller owns: a private directory (as pytest makes it), a 0600 secret in it, a world-readable file in a
+    world-readable directory, a listener on loopback, its own process."""
     secret = tmp_path / "secret"
     secret.write_text("the caller's secret")
     secret.chmod(0o600)
+    public = Path(tempfile.mkdtemp(dir="/var/tmp")) / "public"
+    public.parent.chmod(0o755)
+    public.write_text("the caller's notes")
+    public.chmod(0o644)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
-    yield {"dir": tmp_path, "secret": secret, "port": listener.getsockname()[1]}
+    yield {"dir": tmp_path, "secret": secret, "public": public, "port": listener.getsockname()[1], "pid": os.getpid()}
     listener.close()
+    shutil.rmtree(public.parent)
 
 
 def attacks(caller: dict) -> dict[str, tuple[str, Path | None]]:
-    """name -> (a program that ends normally only if the attack worked, the file it would leave outside)."""
-    out = caller["dir"]
+    """name -> (a program, the file it would leave outside). Without a file, the program ends normally only if the
+    attack worked; with one, the file left outside is the breach."""
+    out, token = caller["dir"], secrets.token_hex(4)
+    writes = {f"write {d}": (f"import _io\n_io.FileIO('{d}/lit_spec_probe_{token}', 'w').write(b'x')\n",
+                             Path(f"{d}/lit_spec_probe_{token}")) for d in WORLD_WRITABLE}
     return {
         "posix.system": (f"import posix\nassert posix.system('touch {out / 'system'}') == 0\n"
                          f"assert posix.stat({str(out / 'system')!r})\n", out / "system"),
@@ -51,27 +67,44 @@ def attacks(caller: dict) -> dict[str, tuple[str, Path | None]]:
                       f"    posix.execv('/usr/bin/touch', ['touch', {str(out / 'forked')!r}])\n"
                       f"assert posix.waitpid(pid, 0)[1] == 0\nassert posix.stat({str(out / 'forked')!r})\n",
                       out / "forked"),
+        **writes,
         "read a 0600 file": (f"assert open({str(caller['secret'])!r}).read() == \"the caller's secret\"\n", None),
-        "signal the caller": (f"import posix\nposix.kill({os.getpid()}, 0)\n", None),     # 0: may it signal?
+        "read a world-readable file": (f"assert open({str(caller['public'])!r}).read() == \"the caller's notes\"\n",
+                                       None),
+        "see the caller's process": (f"assert open('/proc/{caller['pid']}/cmdline', 'rb').read()\n", None),
+        "signal the caller": (f"import posix\nposix.kill({caller['pid']}, 0)\n", None),     # 0: may it signal?
         "connect to loopback": (f"import socket\nsocket.create_connection(('127.0.0.1', {caller['port']}), "
                                 "timeout=2).close()\n", None),
     }
 
 
+def breached(made: dict[str, tuple[str, Path | None]], passed: dict[str, bool]) -> set[str]:
+    """The attacks of ``made`` that reached outside, given whether each program passed; their files removed."""
+    through = {name for name, (_, left) in made.items() if (left.exists() if left is not None else passed[name])}
+    for _, left in made.values():
+        if left is not None:
+            left.unlink(missing_ok=True)
+    return through
+
+
+def attempt(caller: dict, level: str) -> set[str]:
+    """Every attack on ``caller`` at ``level``: the names of those that reached outside."""
+    made = attacks(caller)
+    return breached(made, {name: run_program(program, timeout=10, isolation=level).passed
+                           for name, (program, _) in made.items()})
+
+
 @pytest.mark.parametrize("level", KERNEL_LEVELS)
 def test_a_program_cannot_reach_outside(level, caller):
-    for name, (program, left) in attacks(caller).items():
-        result = run_program(program, timeout=10, isolation=level)
-        assert not result.passed, f"{level}: {name} reached outside"
-        assert left is None or not left.exists(), f"{level}: {name} wrote {left}"
-    assert (caller["secret"]).read_text() == "the caller's secret"
+    through = attempt(caller, level)
+    assert through == (NOBODY_GAPS if level == "nobody" else set()), f"{level}: {sorted(through)} reached outside"
+    assert caller["secret"].read_text() == "the caller's secret"
 
 
 def test_the_guard_level_stops_none_of_it(caller):
     """The honest baseline: the Python guard is walked around (why the kernel levels exist), and the level says so."""
-    breached = [name for name, (program, _) in attacks(caller).items()
-                if run_program(program, timeout=10, isolation="guard").passed]
-    assert {"posix.system", "_io.FileIO", "read a 0600 file"} <= set(breached), breached
+    through = attempt(caller, "guard")
+    assert {"posix.system", "_io.FileIO", "read a 0600 file", "write /tmp"} <= through, through
     assert ISOLATION["guard"].startswith("NOT ISOLATED") and "bubblewrap" in ISOLATION["guard"]
 
 
@@ -125,16 +158,36 @@ def test_honest_answers_are_judged_alike_at_every_level(level, problems):  # noq
     assert _honest(chosen, level) == (len(chosen), 0)
 
 
-def test_an_ordinary_user_without_bubblewrap_gets_the_guard_and_a_warning(tmp_path):
-    """The ordinary-user level as such a user meets it: a child that drops to ``nobody`` first (so neither bwrap nor
-    the root route is open to it) and runs the harness from this checkout with the system's python3."""
+@pytest.fixture
+def users_caller(caller):
+    """``caller`` as an ordinary user (``nobody``) owns it: a private directory and secret where that user can reach
+    them (under /var/tmp), one of that user's processes."""
     if os.geteuid() != 0:
-        pytest.skip("needs root to drop to nobody")
+        pytest.skip("needs root to act as another user")
+    home = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    secret = home / "secret"
+    secret.write_text("the caller's secret")
+    secret.chmod(0o600)
+    for path in (home, secret):
+        os.chown(path, NOBODY, NOBODY)
+    sleeper = subprocess.Popen(["sleep", "600"], user=NOBODY, group=NOBODY, extra_groups=[])
+    yield {**caller, "dir": home, "secret": secret, "pid": sleeper.pid}
+    sleeper.kill()
+    sleeper.wait()
+    shutil.rmtree(home)
+
+
+def as_an_ordinary_user(caller: dict, namespaces: bool) -> tuple[dict, str]:
+    """The attacks on ``caller``, honest answers and bombs run by the harness of this checkout as an ordinary user
+    meets it: a child that drops to ``nobody`` first (neither bwrap nor the root route is open to it), on the system's
+    python3. ``namespaces=False``: as on a kernel that allows no user namespaces (the launcher cannot start).
+    Returns its report (level, breached attacks, honest results, bombs) and its stderr."""
     python = execution.sandbox_python(True)
     source = Path(execution.__file__).resolve().parents[2]
     if python is None or not execution._world_executable(python) or not all(
             os.stat(d).st_mode & 0o005 == 0o005 for d in (source, *source.parents)):
         pytest.skip("this checkout or a python3 is not readable by nobody")
+    made = attacks(caller)
     code = textwrap.dedent(f"""
         import importlib.util, json, logging, os, shutil, sys
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -143,20 +196,38 @@ def test_an_ordinary_user_without_bubblewrap_gets_the_guard_and_a_warning(tmp_pa
         spec = importlib.util.spec_from_file_location("execution", {str(Path(execution.__file__))!r})
         ex = sys.modules["execution"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(ex)
-        bombs = {BOMBS!r}
+        if not {namespaces}:
+            ex.NAMESPACES = "/nonexistent/namespaces.py"
+        programs, bombs = {({n: p for n, (p, _) in made.items()})!r}, {BOMBS!r}
         print(json.dumps({{"level": ex.isolation_level(), "uid": os.getuid(),
+                           "passed": {{n: ex.run_program(p, timeout=10).passed for n, p in programs.items()}},
                            "honest": [ex.run_program("assert 1 + 1 == 2").passed,
                                       ex.run_program("assert 1 + 1 == 3").passed],
                            "bombs": {{n: ex.run_program(p, timeout=5, memory_mb=512).passed for n, p in bombs.items()}}}}))
     """)
-    done = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, timeout=120, cwd="/",
+    done = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, timeout=300, cwd="/",
                           user=NOBODY, group=NOBODY, extra_groups=[])
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["uid"] == NOBODY and report["level"] == "guard"
+    assert report["uid"] == NOBODY
     assert report["honest"] == [True, False]
     assert not any(report["bombs"].values()), report["bombs"]
-    assert "without isolation" in done.stderr and "apt-get install bubblewrap" in done.stderr
+    return {**report, "through": breached(made, report["passed"])}, done.stderr
+
+
+def test_an_ordinary_user_without_bubblewrap_gets_namespaces_and_nothing_reaches_outside(users_caller):
+    report, _ = as_an_ordinary_user(users_caller, namespaces=True)
+    assert report["level"] == "namespaces"
+    assert report["through"] == set(), sorted(report["through"])
+    assert users_caller["secret"].read_text() == "the caller's secret"
+
+
+def test_an_ordinary_user_without_namespaces_gets_the_guard_and_a_warning(users_caller):
+    """Where the kernel allows no user namespace: the guard, said so; the attacks get through (they are real)."""
+    report, stderr = as_an_ordinary_user(users_caller, namespaces=False)
+    assert report["level"] == "guard"
+    assert {"posix.system", "_io.FileIO", "read a 0600 file", "signal the caller"} <= report["through"]
+    assert "without isolation" in stderr and "apt-get install bubblewrap" in stderr
 
 
 @pytest.mark.parametrize("level", KERNEL_LEVELS)

