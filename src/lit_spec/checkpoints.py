@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from lit_spec.errors import DiskFull
+from lit_spec.errors import DiskFull, is_disk_full
 from lit_spec.io import atomic_file, replace_dir
 
 
@@ -36,6 +36,14 @@ def checkpoint_size(directory: Path) -> int | None:
     return max(sizes, default=None)
 
 
+def _raise_if_full(error: Exception, path: Path) -> None:
+    """A checkpoint write that failed on a full device is a ``DiskFull`` naming the size of the checkpoints already
+    there (what this one needed). torch's own writer (DeepSpeed's files) says only "file write failed", so a device
+    left with under 1 MB free counts as full too."""
+    if is_disk_full(error) or shutil.disk_usage(path.parent).free < 1 << 20:
+        raise DiskFull.writing(path, checkpoint_size(path.parent)) from None
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO``, writing each local checkpoint file atomically (``atomic_file``)."""
 
@@ -46,8 +54,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         try:
             with atomic_file(path) as tmp, open(tmp, "wb") as f:
                 torch.save(checkpoint, f)   # through a Python file: a full disk is ENOSPC, not torch's own error
-        except DiskFull:                    # the size of the checkpoints already there: what this one needed
-            raise DiskFull.writing(path, checkpoint_size(path.parent)) from None
+        except Exception as e:
+            _raise_if_full(e, path)
+            raise
 
 
 class WholeDirectorySave:
@@ -63,9 +72,8 @@ class WholeDirectorySave:
         self.barrier("checkpoint: begin")
         try:
             super().save_checkpoint(checkpoint, written, storage_options)
-        except OSError as e:
-            if e.errno in DiskFull.ERRNOS:
-                raise DiskFull.writing(path, checkpoint_size(path.parent)) from None
+        except Exception as e:
+            _raise_if_full(e, path)
             raise
         self.barrier("checkpoint: written")
         if self.is_global_zero:

@@ -1,6 +1,7 @@
 """User-facing errors: raised before work starts, printed as one line by the entry points."""
 
 import errno
+import os
 import shutil
 import signal
 import sys
@@ -31,20 +32,31 @@ def signal_of(stop: SystemExit) -> str:
 
 @contextmanager
 def one_line_errors():
-    """What every entry point does with a ``LitSpecError``: one line on stderr and its exit code, no traceback."""
+    """What every entry point does with a ``LitSpecError``, or with a full disk met anywhere: one line on stderr and
+    its exit code, no traceback."""
     try:
         yield
-    except LitSpecError as e:
+    except Exception as e:
+        if is_disk_full(e):
+            e = DiskFull.of(e)
+        if not isinstance(e, LitSpecError):
+            raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
 
 
 class DiskFull(LitSpecError):
     """A write that found its device full. Nothing is lost by it: every file that matters is written beside its
-    target and renamed into place, so the target is the last whole one or absent. Exits 1."""
+    target and renamed into place, so the target is the last whole one or absent. ``where``: what was written where;
+    ``then``: what to do (by default, rerun). Exits 1."""
 
     exit_code = 1
     ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+    RERUN = "free space there, then rerun the command (it keeps what was written whole: stages, collected parts)"
+
+    def __init__(self, where: str, then: str | None = None):
+        super().__init__(f"{where}: {then or self.RERUN}")
+        self.where = where
 
     @classmethod
     def writing(cls, path, needed: int | None = None) -> "DiskFull":
@@ -53,6 +65,25 @@ class DiskFull(LitSpecError):
         size = f", needs about {needed / 2**20:.1f} MB" if needed else ""
         return cls(f"no space left on the device of {path.parent} writing {path.name} ({free / 2**20:.1f} MB free"
                    f"{size})")
+
+    @classmethod
+    def of(cls, error: BaseException) -> "DiskFull":
+        """``error`` (a full disk, ``is_disk_full``) as a ``DiskFull``; one that is not names the writer's message."""
+        if isinstance(error, DiskFull):
+            return error
+        return cls(f"no space left on a device ({(str(error).strip().splitlines() or [''])[0][:200]})")
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error``, or one it came from, is a full device: an ``OSError`` with ENOSPC or EDQUOT, or a writer's
+    own error that says so (safetensors' and others' carry the OS message, not the errno)."""
+    marks = tuple(os.strerror(n) for n in DiskFull.ERRNOS) + ("os error 28",)
+    while error is not None:
+        if isinstance(error, DiskFull) or (isinstance(error, OSError) and error.errno in DiskFull.ERRNOS) or any(
+                mark in str(error) for mark in marks):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class LostRank(LitSpecError):

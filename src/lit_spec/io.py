@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from lit_spec.errors import ConfigError, DiskFull
+from lit_spec.errors import ConfigError, DiskFull, is_disk_full
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except Exception as e:
         _raise_disk_full(e, path)
         raise
     finally:
@@ -45,8 +45,8 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
             os.unlink(tmp)
 
 
-def _raise_disk_full(error: OSError, path: Path) -> None:
-    if error.errno in DiskFull.ERRNOS:
+def _raise_disk_full(error: Exception, path: Path) -> None:
+    if is_disk_full(error) and not isinstance(error, DiskFull):
         raise DiskFull.writing(path) from None
 
 
@@ -62,7 +62,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         replace_dir(tmp, path)
-    except OSError as e:
+    except Exception as e:
         _raise_disk_full(e, path)
         raise
     finally:

@@ -19,7 +19,7 @@ from lit_spec.checkpoints import AtomicCheckpointIO, resume_hint
 from lit_spec.checks import check_block_size, check_checkpoint_model, check_run
 from lit_spec.config import build
 from lit_spec.console import training_summary, verdict
-from lit_spec.errors import DiskFull, Interrupted, LitSpecError, LostRank, signal_of
+from lit_spec.errors import DiskFull, Interrupted, LitSpecError, LostRank, is_disk_full, signal_of
 from lit_spec.export import export_pretrained
 from lit_spec.io import write_json
 from lit_spec.loggers import finish_wandb
@@ -69,9 +69,8 @@ def _stopped(error: BaseException, trainer: L.Trainer, hint: str) -> LitSpecErro
     if isinstance(error, SystemExit):      # SIGTERM / Ctrl-C: InterruptCheckpoint has saved where training stood
         return Interrupted(f"training stopped at step {step}, before its end (no export, no metrics.json); {hint}",
                            signal_of(error))
-    if isinstance(error, DiskFull) or (isinstance(error, OSError) and error.errno in DiskFull.ERRNOS):
-        what = error if isinstance(error, DiskFull) else f"no space left on the device writing {error.filename}"
-        return DiskFull(f"{what} at step {step}: free space there, then {hint}")
+    if is_disk_full(error):
+        return DiskFull(f"{DiskFull.of(error).where} at step {step}", then=f"free space there, then {hint}")
     if isinstance(error, RuntimeError) and trainer.world_size > 1 and is_lost_peer(error):
         after_a_lost_peer()               # RankWatch may name the dead rank (and end this process) first
         return LostRank(f"a peer rank is gone ({str(error).strip().splitlines()[0][:160]}) at step {step}, so the "
@@ -115,7 +114,7 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
         if finish.metrics is None:  # ddp_spawn: the run finished in worker processes, whose rank 0 wrote these
             return json.loads((Path(cfg.paths.output_dir) / "metrics.json").read_text())
         return finish.metrics
-    except (SystemExit, OSError, RuntimeError, DiskFull) as error:
+    except (SystemExit, Exception) as error:
         stop = _stopped(error, trainer, resume_hint(checkpoints))
         if stop is None:
             raise

@@ -18,7 +18,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 
 from lit_spec.callbacks.rank_watch import is_lost_peer
-from lit_spec.errors import DiskFull
+from lit_spec.errors import is_disk_full
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,7 @@ class InterruptCheckpoint(Checkpoint):
         return os.path.join(self.dirpath, f"{self.filename}.ckpt")
 
     def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
-        if trainer.global_step == 0 or isinstance(exception, DiskFull) or is_lost_peer(exception) or (
-                isinstance(exception, OSError) and exception.errno in DiskFull.ERRNOS):
+        if trainer.global_step == 0 or is_disk_full(exception) or is_lost_peer(exception):
             return                         # nothing to save yet, no room for it, or no peer to save it with
         try:
             trainer.save_checkpoint(self.ckpt_path)
