@@ -4,6 +4,7 @@ died and the checkpoint to resume from, and that checkpoint resumes. Marked ``di
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -65,3 +66,28 @@ def test_a_killed_rank_ends_the_run_in_one_line_that_names_it_and_the_checkpoint
     step = torch.load(checkpoint, weights_only=False, map_location="cpu")["global_step"]
     resumed = train(run, f"trainer.max_steps={step + 2}", f"ckpt_path={checkpoint}", log=tmp_path / "resumed.err")
     assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.err").read_text()[-3000:]
+
+
+def test_a_rank_killed_as_it_starts_ends_the_run_in_one_line(tmp_path):
+    """Before the process group forms (Lightning's own observer would SIGKILL the launcher, silently, within 5 s)."""
+    run, log = tmp_path / "run", tmp_path / "run.err"
+    proc = train(run, "trainer.max_steps=4", log=log)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            with contextlib.suppress(ValueError, FileNotFoundError):
+                dead = rank_one(proc.pid)
+                break
+            time.sleep(0.05)
+        os.kill(dead, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = log.read_text()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[-1] == (f"error: rank 1 (pid {dead}) died (killed by SIGKILL) at step 0, so the run stopped: rerun "
+                         "it (no checkpoint was written)"), lines[-1]

@@ -13,8 +13,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lit_spec.callbacks import RankWatch, SpeedupCallback
-from lit_spec.callbacks.rank_watch import after_a_lost_peer, is_lost_peer
+from lit_spec.callbacks import SpeedupCallback
+from lit_spec.rank_watch import RankWatch, after_a_lost_peer, is_lost_peer
 from lit_spec.checkpoints import AtomicCheckpointIO, resume_hint
 from lit_spec.checks import check_block_size, check_checkpoint_model, check_run
 from lit_spec.config import build
@@ -99,7 +99,7 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
 
     finish, checkpoints = _FinishRun(cfg), Path(cfg.paths.output_dir) / "checkpoints"
     trainer: L.Trainer = instantiate(cfg.trainer, _partial_=True)(
-        callbacks=[*_instantiate_group(cfg.get("callbacks")), finish, RankWatch(str(checkpoints))],
+        callbacks=[*_instantiate_group(cfg.get("callbacks")), finish],
         logger=_instantiate_group(cfg.get("logger")) or False, plugins=[AtomicCheckpointIO()])
     policy = precision_policy(trainer.strategy, trainer.precision)
     check_policy(policy, type(trainer.strategy).__name__, trainer.precision)
@@ -110,7 +110,8 @@ def run_training(cfg: DictConfig) -> dict[str, float]:
         Path(cfg.paths.output_dir).mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, Path(cfg.paths.output_dir) / "config.yaml", resolve=True)
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        with RankWatch(trainer, checkpoints):   # a rank that dies, from its start on, ends the run in one line
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         if finish.metrics is None:  # ddp_spawn: the run finished in worker processes, whose rank 0 wrote these
             return json.loads((Path(cfg.paths.output_dir) / "metrics.json").read_text())
         return finish.metrics

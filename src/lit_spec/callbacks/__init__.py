@@ -1,7 +1,6 @@
 from lit_spec.callbacks.interrupt import InterruptCheckpoint
 from lit_spec.callbacks.memory import MemoryMonitor
 from lit_spec.callbacks.model_summary import ModelSummary
-from lit_spec.callbacks.rank_watch import RankWatch
 from lit_spec.callbacks.speedup import SpeedupCallback
 
-__all__ = ["InterruptCheckpoint", "MemoryMonitor", "ModelSummary", "RankWatch", "SpeedupCallback"]
+__all__ = ["InterruptCheckpoint", "MemoryMonitor", "ModelSummary", "SpeedupCallback"]

@@ -17,7 +17,7 @@ import os
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 
-from lit_spec.callbacks.rank_watch import is_lost_peer
+from lit_spec.rank_watch import is_lost_peer
 from lit_spec.errors import is_disk_full
 
 log = logging.getLogger(__name__)

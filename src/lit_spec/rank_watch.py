@@ -1,5 +1,6 @@
 """A rank that dies ends the run in one line. On the launching process (global rank 0 of a node, whose Lightning
-launcher started the node's other ranks), one thread per started rank waits for its process; the moment one dies it
+launcher started the node's other ranks), from the moment they are started (so a death before the process group
+forms counts too), one thread per started rank waits for its process; the moment one dies it
 prints which rank, how it died, the step and the newest whole checkpoint to resume from, stops the node's other
 ranks and exits 1. It must be quick: Lightning's own observer SIGKILLs the launcher (silently) within 5 s of a
 child's death, and under NCCL the peers would otherwise wait for the collective timeout (``dist_timeout_s``). A rank
@@ -57,26 +58,43 @@ def is_lost_peer(error: BaseException) -> bool:
                                       "remote process exited", "Timed out", "timed out"))
 
 
-class RankWatch(L.Callback):
-    """Args: checkpoints: the directory whose newest whole checkpoint the line names."""
+class RankWatch:
+    """``with RankWatch(trainer, checkpoints): trainer.fit(...)``: while the fit runs, watch the ranks this process's
+    launcher starts. ``checkpoints``: the directory whose newest whole checkpoint the line names."""
 
-    def __init__(self, checkpoints: str):
-        self.checkpoints = Path(checkpoints)
+    def __init__(self, trainer: L.Trainer, checkpoints: str | Path):
+        self.trainer, self.checkpoints, self.done = trainer, Path(checkpoints), threading.Event()
 
-    def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
-        procs = getattr(trainer.strategy.launcher, "procs", None) or []
-        first = trainer.node_rank * trainer.num_devices
+    def __enter__(self) -> "RankWatch":
+        launcher = self.trainer.strategy.launcher
+        if launcher is not None and hasattr(launcher, "procs") and self.trainer.num_devices > 1:
+            threading.Thread(target=self._find, args=(launcher,), daemon=True, name="rank-watch").start()
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if error is None or not is_lost_peer(error):   # a lost peer: name the dead rank if it is one of ours
+            self.done.set()                            # else: a stop (Ctrl-C kills the ranks) is not a death
+
+    def _find(self, launcher) -> None:
+        """Wait for the launcher to have started the node's other ranks (inside ``fit``), then watch each."""
+        while not self.done.wait(0.05):
+            procs = list(getattr(launcher, "procs", None) or [])
+            if len(procs) == self.trainer.num_devices - 1:
+                break
+        else:
+            return
+        first = self.trainer.node_rank * self.trainer.num_devices
         _started[:] = procs
         for local_rank, proc in enumerate(procs, start=1):
-            threading.Thread(target=self._wait, args=(trainer, procs, first + local_rank, proc), daemon=True,
+            threading.Thread(target=self._wait, args=(procs, first + local_rank, proc), daemon=True,
                              name=f"rank-watch-{local_rank}").start()
 
-    def _wait(self, trainer: L.Trainer, procs: list, rank: int, proc) -> None:
+    def _wait(self, procs: list, rank: int, proc) -> None:
         returncode = proc.wait()
-        if returncode == 0 or not claim_report():
+        if returncode == 0 or self.done.is_set() or not claim_report():
             return
         print(f"error: rank {rank} (pid {proc.pid}) died ({how_it_ended(returncode)}) at step "
-              f"{trainer.global_step}, so the run stopped: {resume_hint(self.checkpoints)}", file=sys.stderr,
+              f"{self.trainer.global_step}, so the run stopped: {resume_hint(self.checkpoints)}", file=sys.stderr,
               flush=True)
         _stop(procs)
         os._exit(1)
