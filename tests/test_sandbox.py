@@ -104,7 +104,7 @@ def test_a_program_cannot_reach_outside(level, caller):
 def test_the_guard_level_stops_none_of_it(caller):
     """The honest baseline: the Python guard is walked around (why the kernel levels exist), and the level says so."""
     through = attempt(caller, "guard")
-    assert {"posix.system", "_io.FileIO", "read a 0600 file", "write /tmp"} <= through, through
+    assert through == set(attacks(caller)), sorted(set(attacks(caller)) - through)     # every one of them
     assert ISOLATION["guard"].startswith("NOT ISOLATED") and "bubblewrap" in ISOLATION["guard"]
 
 
@@ -226,7 +226,7 @@ def test_an_ordinary_user_without_namespaces_gets_the_guard_and_a_warning(users_
     """Where the kernel allows no user namespace: the guard, said so; the attacks get through (they are real)."""
     report, stderr = as_an_ordinary_user(users_caller, namespaces=False)
     assert report["level"] == "guard"
-    assert {"posix.system", "_io.FileIO", "read a 0600 file", "signal the caller"} <= report["through"]
+    assert report["through"] == set(attacks(users_caller)), sorted(set(attacks(users_caller)) - report["through"])
     assert "without isolation" in stderr and "apt-get install bubblewrap" in stderr
 
 
