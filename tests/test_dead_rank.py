@@ -37,10 +37,27 @@ def rank_one(launcher: int) -> int:
     return pid
 
 
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen):
+    """A run that outlives its test is killed, with its ranks."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def last_line(proc: subprocess.Popen, log: Path) -> str:
+    """The run ended with exit 1 and no traceback: its last line on stderr."""
+    err = log.read_text()
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    return [line for line in err.splitlines() if line.strip()][-1]
+
+
 def test_a_killed_rank_ends_the_run_in_one_line_that_names_it_and_the_checkpoint(tmp_path):
     run, log = tmp_path / "run", tmp_path / "run.err"
-    proc = train(run, "trainer.max_steps=100000", log=log)
-    try:
+    with reaped(train(run, "trainer.max_steps=100000", log=log)) as proc:
         deadline = time.monotonic() + 300
         while not (run / "checkpoints" / "last.ckpt").exists():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -51,16 +68,10 @@ def test_a_killed_rank_ends_the_run_in_one_line_that_names_it_and_the_checkpoint
         killed = time.monotonic()
         proc.wait(timeout=60)
         assert time.monotonic() - killed < 60
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    err = log.read_text()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    line = last_line(proc, log)
     checkpoint = run / "checkpoints" / "last.ckpt"
-    assert lines[-1].startswith(f"error: rank 1 (pid {dead}) died (killed by SIGKILL) at step "), lines[-1]
-    assert lines[-1].endswith(f"so the run stopped: resume with ckpt_path={checkpoint}"), lines[-1]
+    assert line.startswith(f"error: rank 1 (pid {dead}) died (killed by SIGKILL) at step "), line
+    assert line.endswith(f"so the run stopped: resume with ckpt_path={checkpoint}"), line
     assert not (run / "checkpoints" / "interrupted.ckpt").exists()
 
     step = torch.load(checkpoint, weights_only=False, map_location="cpu")["global_step"]
@@ -71,8 +82,7 @@ def test_a_killed_rank_ends_the_run_in_one_line_that_names_it_and_the_checkpoint
 def test_a_rank_killed_as_it_starts_ends_the_run_in_one_line(tmp_path):
     """Before the process group forms (Lightning's own observer would SIGKILL the launcher, silently, within 5 s)."""
     run, log = tmp_path / "run", tmp_path / "run.err"
-    proc = train(run, "trainer.max_steps=4", log=log)
-    try:
+    with reaped(train(run, "trainer.max_steps=4", log=log)) as proc:
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -82,12 +92,5 @@ def test_a_rank_killed_as_it_starts_ends_the_run_in_one_line(tmp_path):
             time.sleep(0.05)
         os.kill(dead, signal.SIGKILL)
         proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    err = log.read_text()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
-    assert lines[-1] == (f"error: rank 1 (pid {dead}) died (killed by SIGKILL) at step 0, so the run stopped: rerun "
-                         "it (no checkpoint was written)"), lines[-1]
+    assert last_line(proc, log) == (f"error: rank 1 (pid {dead}) died (killed by SIGKILL) at step 0, so the run "
+                                    "stopped: rerun it (no checkpoint was written)")
