@@ -219,9 +219,11 @@ def _launch(level: str, here: str, memory_mb: int, timeout: float) -> tuple[list
 
     if level == "nobody":
         os.chown(here, NOBODY, NOBODY)
-    command = {"bwrap": lambda: _bwrap_command(python), "namespaces": lambda: _namespaces_command(python, here)
-               }.get(level, lambda: [python, *PYTHON_FLAGS, GUARD])()
-    return command, setup
+    if level == "bwrap":
+        return _bwrap_command(python), setup
+    if level == "namespaces":
+        return _namespaces_command(python, here), setup
+    return [python, *PYTHON_FLAGS, GUARD], setup
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> bool:

@@ -61,7 +61,7 @@ def _read_only(path: str) -> None:
 
 def _build_root(root: str, spec: dict) -> None:
     """The new root at ``root`` (a tmpfs), from the old tree still visible around it."""
-    size, uid = f"size={spec['tmpfs_bytes']}", NOBODY
+    size = f"size={spec['tmpfs_bytes']}"
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=0755")
     for path in spec["binds"]:
         inside = root + path
@@ -84,7 +84,7 @@ def _build_root(root: str, spec: dict) -> None:
     for path in ("/tmp", "/var/tmp", "/dev/shm", "/sandbox"):
         os.makedirs(root + path)
         mode = "0755" if path == "/sandbox" else "1777"
-        _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode={mode},uid={uid},gid={uid}")
+        _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode={mode},uid={NOBODY},gid={NOBODY}")
     os.makedirs(root + "/proc")
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
