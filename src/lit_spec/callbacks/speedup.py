@@ -56,6 +56,11 @@ PLOT = "speedup.png"     # in the run directory, beside csv/metrics.csv
 UNPLOTTED = {"quality/first_divergence"}   # tokens, off the scale of the quality panel's shares
 
 
+def copy_bytes(module: torch.nn.Module) -> int:
+    """The decoding copy's stated bound: every weight of ``module`` whole, in its live dtype (buffers are small)."""
+    return sum(whole_numel(p) * p.element_size() for p in module.parameters())
+
+
 def plot_history(history: list[tuple[int, dict[str, float]]], path: Path) -> None:
     """τ, speedup over AR, quality and answer-NLL drift of every measurement, against the training step (written
     after each one)."""
@@ -141,7 +146,7 @@ class SpeedupCallback(L.Callback):
 
     def _copy_fits(self, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
         """Whether a whole copy of the module's weights fits in 80% of this rank's free memory."""
-        need = sum(whole_numel(p) * p.element_size() for p in pl_module.parameters())
+        need = copy_bytes(pl_module)
         if pl_module.device.type == "cuda":
             free = torch.cuda.mem_get_info(pl_module.device)[0]
         else:   # the ranks of a node share its RAM
