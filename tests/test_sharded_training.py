@@ -40,15 +40,21 @@ BASE_CHECK = ["+callbacks.base_unchanged._target_=sharded_checks.FrozenBaseUncha
 HEADS = {"chimera": ["method=chimera"], "medusa": ["method=medusa"],
          "hidden_transfer": ["method=hidden_transfer", "method.layers=[1,2]", "method.tree=[2,1]"]}
 # method -> (overrides, the decoder the speedup callback measures besides AR)
-METHODS = {"ar": (["callbacks.speedup.extra_decoders={jacobi: {n_tokens: 4}}"], "jacobi"),
+AR_JACOBI = ["callbacks.speedup.extra_decoders={jacobi: {n_tokens: 4}}"]
+METHODS = {"ar": (AR_JACOBI, "jacobi"),
+           "ar_lora": ([*AR_JACOBI, "method.lora={r: 4, lora_alpha: 8}"], "jacobi"),   # adapters partitioned too
            "cllm": ([], "jacobi"),
            "jacobi_forcing": ([], "multiblock"),
            **{name: ([*args, *BASE_CHECK], name) for name, args in HEADS.items()},
            "draft_distill": (["method=draft_distill", *STUDENT, *BASE_CHECK], "speculative")}
 ZERO = ["deepspeed_zero2", "deepspeed_zero3"]
-# Jacobi Forcing: the card's ZeRO-3 only (its batches differ from CLLM's, its sharded path does not)
-MATRIX = [(m, s) for m in METHODS if m != "jacobi_forcing" for s in ZERO] + [("jacobi_forcing", "deepspeed_zero3")] + [
-    (m, "fsdp") for m in ("ar", "cllm", "medusa")]
+# Jacobi Forcing: the card's ZeRO-3 only (its batches differ from CLLM's, its sharded path does not); AR with LoRA
+# adapters: in bf16 under the strategies that shard them, ZeRO-3 and FSDP2 (the fast suite checks its merge and
+# losslessness in fp32)
+MATRIX = [(m, s) for m in METHODS if m not in ("jacobi_forcing", "ar_lora") for s in ZERO] + [
+    ("jacobi_forcing", "deepspeed_zero3")] + [(m, "fsdp") for m in ("ar", "cllm", "medusa")]
+BF16_MATRIX = [(m, s) for m in METHODS if m != "ar_lora" for s in ("ddp", *ZERO, "fsdp")] + [
+    ("ar_lora", "deepspeed_zero3"), ("ar_lora", "fsdp")]
 TRAJECTORY_METHODS = {"cllm": ["data=trajectories"],
                       "jacobi_forcing": ["data=noisy_trajectories", "data.noise_window=2", "data.noise_schedule=random"]}
 
@@ -100,11 +106,13 @@ POLICY = {("32-true", s): ("float32", "float32", [] if s == "fsdp" else ["float3
 BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def check_held(run_dir: Path, strategy: str, precision: str = "32-true") -> None:
+def check_held(run_dir: Path, strategy: str, precision: str = "32-true", measured: bool = True,
+               lora: bool = False) -> None:
     """Each rank holds its weights in the policy's dtypes, and half of what its strategy partitions (DDP: nothing,
-    every rank holds all of it): ZeRO-2 the
-    optimizer (Adam's m and v and the fp32 master copy ZeRO keeps), ZeRO-3 the parameters too, FSDP the parameters
-    and optimizer of what trains."""
+    every rank holds all of it): ZeRO-2 the optimizer (Adam's m and v and the fp32 master copy ZeRO keeps), ZeRO-3
+    the parameters too, FSDP the parameters and optimizer of what trains. Where the weights are sharded and the run
+    is ``measured`` (the speedup callback), it also holds the callback's decoding copy: the whole module, no more.
+    A frozen base stays whole under FSDP; the frozen weights of a ``lora`` run are the sharded model's own."""
     frozen_dtype, trained_dtype, masters = POLICY[precision, strategy]
     for rank in (0, 1):
         held = json.loads((run_dir / f"memory.rank{rank}.json").read_text())
@@ -118,8 +126,10 @@ def check_held(run_dir: Path, strategy: str, precision: str = "32-true") -> None
         expected = {"ddp": (frozen + trained, states),
                     "deepspeed_zero2": (frozen + trained, states / 2),
                     "deepspeed_zero3": ((frozen + trained) / 2, states / 2),
-                    "fsdp": (frozen + trained / 2, states / 2)}[strategy]
+                    "fsdp": (frozen / (2 if lora else 1) + trained / 2, states / 2)}[strategy]
         assert (held["params_mb"], held["optimizer_mb"]) == pytest.approx(expected, rel=0.1), (rank, held, expected)
+        copy = frozen + trained if measured and strategy in ("deepspeed_zero3", "fsdp") else 0.0
+        assert held["decode_copy_mb"] == pytest.approx(copy, rel=0.01), (rank, held, copy)
 
 
 def saved_weights(checkpoint: Path) -> set[str]:
@@ -148,7 +158,7 @@ def check_export(method: str, export: Path, base_dir: str, initial: dict[str, to
     ids = torch.tensor([[1, 5, 9, 13, 17]])
     base = AutoModelForCausalLM.from_pretrained(base_dir)
     greedy = generate(base, ids, "ar", max_new_tokens=12).sequences
-    if method in ("ar", *TRAJECTORY_METHODS):
+    if method in ("ar", "ar_lora", *TRAJECTORY_METHODS):   # a LoRA export: the adapters merged, plain names
         trained = load_file(export / "model.safetensors")
         assert trained.keys() == initial.keys()
         assert any(not torch.equal(trained[k], initial[k]) for k in trained), "exported the untrained weights"
@@ -205,7 +215,7 @@ def check_resume(first: Path, resumed: Path, run: list[str], method: str, rel: f
     assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=rel), (expected, got)
 
 
-@pytest.mark.parametrize("method, strategy", [(m, s) for m in METHODS for s in ("ddp", *ZERO, "fsdp")])
+@pytest.mark.parametrize("method, strategy", BF16_MATRIX)
 def test_method_trains_and_exports_in_bf16_mixed(method, strategy, tmp_path, micro_dirs):
     """The GPU's precision on 2 CPU processes: every method trains, measures and exports under every strategy with
     the dtypes the precision policy states, and under the card's ZeRO-3 resumes. Greedy decoding is lossless in fp32
@@ -218,7 +228,7 @@ def test_method_trains_and_exports_in_bf16_mixed(method, strategy, tmp_path, mic
     metrics = train_cli(tmp_path / "run", *run)
     assert metrics["global_step"] == 4
     assert len(logged(tmp_path / "run", f"mean_accepted/{METHODS[method][1]}")) == 3
-    check_held(tmp_path / "run", strategy, "bf16-mixed")
+    check_held(tmp_path / "run", strategy, "bf16-mixed", lora=method == "ar_lora")
     check_export(method, tmp_path / "run" / "export", micro_dirs[0],
                  load_file(Path(micro_dirs[0]) / "model.safetensors"))
     if strategy == "deepspeed_zero3":
@@ -278,7 +288,7 @@ def test_two_nodes_through_torchrun(tmp_path, micro_dirs):
     for rank in (0, 1):       # each node's process is one rank of the world of 2, holding half of ZeRO-3's weights
         held = json.loads((run_dir / f"memory.rank{rank}.json").read_text())
         assert held["world_size"] == 2 and held["rank"] == rank
-    check_held(run_dir, "deepspeed_zero3")
+    check_held(run_dir, "deepspeed_zero3", measured=False)
     check_export("ar", run_dir / "export", micro_dirs[0], load_file(Path(micro_dirs[0]) / "model.safetensors"))
 
 

@@ -13,12 +13,14 @@ from typing import get_args
 import torch
 from hydra.utils import get_class
 from lightning.fabric.connector import _PRECISION_INPUT
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_spec.config import build
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.export import check_export_dir
 from lit_spec.io import launch_rank
+from lit_spec.methods.frozen_base import FrozenBaseModule
+from lit_spec.models.lora import lora_config
 from lit_spec.models.spec import DTYPES, model_shape
 from lit_spec.run_dir import check_run_dir
 from lit_spec.strategies import is_deepspeed, is_fsdp
@@ -185,6 +187,11 @@ def check_method_data(cfg: DictConfig) -> None:
                           f"a {data.__name__}: use {method.data_configs}")
     if cfg.method.get("n_tokens") is not None:   # checked here, not as the collect.n_tokens it is passed on as
         check_count("method.n_tokens", cfg.method.n_tokens)
+    if cfg.method.get("lora"):
+        if issubclass(method, FrozenBaseModule):
+            raise ConfigError(f"method.lora: {method.__name__} already trains a small part beside a frozen model; "
+                              "adapters are for a full fine-tune (method=ar, cllm, jacobi_forcing): drop method.lora")
+        lora_config(OmegaConf.to_container(cfg.method.lora))
 
 
 def check_block_size(method: DictConfig, datamodule) -> None:

@@ -15,6 +15,7 @@ import torch
 from lit_spec.data import AnswerBatches
 from lit_spec.methods.optim import build_optimizer, check_optim
 from lit_spec.models import spec_from_dict
+from lit_spec.models.lora import add_lora, merge_lora
 from lit_spec.models.spec import model_shape
 from lit_spec.precision import PrecisionPolicy, precision_policy
 from lit_spec.strategies import fully_shard_model, is_fsdp
@@ -23,28 +24,32 @@ if TYPE_CHECKING:
     from lit_spec.decoding import Decoder
 
 
-# Frozen parts (``MethodModule.frozen``: a frozen base, the original model an AR term distils from) are rebuilt from
-# ``hparams.model_spec`` (its identity is kept in checkpoints, and checked on resume), so the module's state dict leaves
-# them out under every strategy (Lightning's, DeepSpeed's and FSDP's distributed checkpoints all read ``state_dict()``),
-# and loading puts the live parts' own weights back: a missing or unexpected key of what trains still fails a strict
-# load.
+# Frozen parts (``MethodModule.frozen``: a frozen base, the original model an AR term distils from; and any weight that
+# does not train, as a LoRA run's adapted model's own) are rebuilt from ``hparams.model_spec`` (its identity is kept in
+# checkpoints, and checked on resume), so the module's state dict leaves them out under every strategy (Lightning's,
+# DeepSpeed's and FSDP's distributed checkpoints all read ``state_dict()``), and loading puts the live weights back: a
+# missing or unexpected key of what trains still fails a strict load.
+def _frozen_state(module, prefix: str) -> dict:
+    state = {f"{prefix}{name}.{key}": value for name in module.frozen if getattr(module, name, None) is not None
+             for key, value in getattr(module, name).state_dict().items()}
+    return state | {prefix + name: p.detach() for name, p in module.named_parameters() if not p.requires_grad}
+
+
 def _without_frozen(module, state: dict, prefix: str, local_metadata) -> None:
-    for name in module.frozen:
-        for key in [k for k in state if k.startswith(f"{prefix}{name}.")]:
-            del state[key]
+    for key in _frozen_state(module, prefix):
+        state.pop(key, None)
 
 
 def _with_frozen(module, state: dict, prefix: str, *args) -> None:
-    for name in module.frozen:
-        if getattr(module, name, None) is not None:
-            for key, value in getattr(module, name).state_dict().items():
-                state.setdefault(f"{prefix}{name}.{key}", value)
+    for key, value in _frozen_state(module, prefix).items():
+        state.setdefault(key, value)
 
 
 class MethodModule(L.LightningModule):
     """Args:
         model_spec: the ``model`` group's spec (or its dict, when restored from a checkpoint).
         lr, weight_decay, betas, warmup_steps, scheduler, min_lr_ratio: AdamW + warmup/decay schedule.
+        lora: a full fine-tune trains low-rank adapters only (``lit_spec.models.lora``); None: every weight.
     """
 
     #: the datamodule whose batches ``training_step`` reads (checked from the config before any work), and the
@@ -60,7 +65,8 @@ class MethodModule(L.LightningModule):
     flops_per_batch: float | None = None
 
     def __init__(self, model_spec, lr: float = 2e-5, weight_decay: float = 0.0, betas: tuple = (0.9, 0.999),
-                 warmup_steps: int = 0, scheduler: str = "cosine", min_lr_ratio: float = 0.1, **method_hparams):
+                 warmup_steps: int = 0, scheduler: str = "cosine", min_lr_ratio: float = 0.1, lora: dict | None = None,
+                 **method_hparams):
         super().__init__()
         check_optim(lr, weight_decay, betas, warmup_steps, scheduler, min_lr_ratio)
         self.model_spec = spec_from_dict(model_spec) if isinstance(model_spec, dict) else model_spec
@@ -96,7 +102,8 @@ class MethodModule(L.LightningModule):
 
     def build_models(self) -> None:
         if self.model is None:   # from_pretrained returns eval mode
-            self.model = self.model_spec.load_model(self.policy.trained).train()
+            model = self.model_spec.load_model(self.policy.trained).train()
+            self.model = add_lora(model, self.hparams.lora) if self.hparams.lora else model
 
     def load_frozen(self) -> torch.nn.Module:
         """The model spec's weights as a frozen part: eval mode, no gradient, in ``model.dtype``."""
@@ -121,7 +128,7 @@ class MethodModule(L.LightningModule):
         checkpoint["method"] = [c.__name__ for c in type(self).__mro__
                                 if issubclass(c, MethodModule) and c is not MethodModule]
         checkpoint["model_shape"] = model_shape(self.model.config)
-        if self.frozen:
+        if self.frozen or self.hparams.get("lora"):
             checkpoint["base_identity"] = self.model_spec.identity()
 
     def configure_optimizers(self):
@@ -135,8 +142,11 @@ class MethodModule(L.LightningModule):
     def export(self, directory, state: dict) -> None:
         """Write ``state`` (the whole exported model's weights, ``lit_spec.export.exported_state``) and the target's
         tokenizer with ``save_pretrained`` (safetensors); plain transformers loads them. The model is written through
-        a weightless (meta) copy of the exported one in ``state``'s dtype: nothing is held twice."""
+        a weightless (meta) copy of the exported one in ``state``'s dtype: nothing is held twice. LoRA adapters are
+        merged into the weights they adapt."""
         model = getattr(self, self.exported)
+        if self.hparams.get("lora"):
+            state = merge_lora(state, model)
         dtype = next(v.dtype for v in state.values() if v.is_floating_point())
         with torch.device("meta"):   # config.json records the ghost's dtype; the live config stays as it was
             ghost = type(model)(copy.deepcopy(model.config)).to(dtype)
