@@ -62,14 +62,14 @@ def load_jobs(sweep: Path) -> list[dict]:
 
 def fill_overrides(jobs: list[dict]) -> None:
     """Jobs of several sweeps: a key one sweep set and another did not gets, where unset, the job's own value (its
-    composed ``.hydra/config.yaml``)."""
+    composed ``.hydra/config.yaml``; null where it has none)."""
     for key in {k for j in jobs for k in j["overrides"]}:
         for j in jobs:
             if key not in j["overrides"]:
                 value = j["config"]
                 for part in key.lstrip("+").split("."):
                     value = value.get(part) if isinstance(value, dict) else None
-                j["overrides"][key] = "" if value is None else str(value)
+                j["overrides"][key] = "null" if value is None else str(value)   # Hydra's spelling
 
 
 def swept_keys(jobs: list[dict]) -> list[str]:

@@ -4,8 +4,9 @@ At the end of training every rank counts the bytes of model parameters it holds 
 shard, or the whole model), of its optimizer (states, plus the fp32 master copies DeepSpeed's ZeRO optimizers keep
 of their partitions), the dtypes of the frozen and trained weights and of the optimizer's masters (the precision
 policy, ``lit_spec.precision``, as it came out), the speedup callback's decoding copy where it keeps one, its peak
-resident memory and its peak CUDA memory when there is a GPU, and the median time of a training step; it writes them to ``memory.rank<r>.json`` in the run directory and logs
-``memory/*`` on rank 0. ``experiments/strategy_memory.py`` tabulates them per strategy.
+resident memory and its peak CUDA memory when there is a GPU, and the median time of a training step; it writes them
+to ``memory.rank<r>.json`` in the run directory and logs ``memory/*`` on rank 0. ``experiments/strategy_memory.py``
+tabulates them per strategy.
 """
 
 from __future__ import annotations

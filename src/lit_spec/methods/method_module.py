@@ -128,7 +128,7 @@ class MethodModule(L.LightningModule):
         checkpoint["method"] = [c.__name__ for c in type(self).__mro__
                                 if issubclass(c, MethodModule) and c is not MethodModule]
         checkpoint["model_shape"] = model_shape(self.model.config)
-        if self.frozen or self.hparams.get("lora"):
+        if self.frozen or self.hparams.lora:
             checkpoint["base_identity"] = self.model_spec.identity()
 
     def configure_optimizers(self):
@@ -145,7 +145,7 @@ class MethodModule(L.LightningModule):
         a weightless (meta) copy of the exported one in ``state``'s dtype: nothing is held twice. LoRA adapters are
         merged into the weights they adapt."""
         model = getattr(self, self.exported)
-        if self.hparams.get("lora"):
+        if self.hparams.lora:
             state = merge_lora(state, model)
         dtype = next(v.dtype for v in state.values() if v.is_floating_point())
         with torch.device("meta"):   # config.json records the ghost's dtype; the live config stays as it was
