@@ -340,9 +340,23 @@ def test_an_unwritable_cache_dir_is_refused_before_any_stage(tmp_path):
 
 def test_the_deepspeed_internals_we_use_are_there():
     """``strategies.unpartitioned_init`` steps out of an open ``zero.Init`` through DeepSpeed's private module
-    functions; pyproject pins DeepSpeed to the range tested. An upgrade that renames them fails here, loudly."""
+    functions; pyproject pins DeepSpeed to the range tested. ``strategies.load_ops`` finds an op's build directory
+    (where its build lock is) as torch does, through torch's private function. An upgrade that renames them fails
+    here, loudly."""
     from deepspeed.runtime.zero import partition_parameters as zero
     from deepspeed.utils import safe_get_full_fp32_param   # noqa: F401  (strategies.full_precision)
+    from torch.utils.cpp_extension import _get_build_directory   # noqa: F401  (torch's: strategies.load_ops)
 
     assert callable(zero.shutdown_init_context) and callable(zero.restore_init_context)
     assert hasattr(zero, "top_level_context")
+
+
+def test_the_installed_deepspeed_recomputes_frozen_zero3_parameters_under_checkpointing():
+    """LoRA (a frozen base) under ZeRO-3 with gradient checkpointing, as the 7B-70B configs set it: DeepSpeed before
+    deepspeedai/DeepSpeed#8148 (0.19.3, pyproject's floor) partitions a frozen parameter again inside the
+    non-reentrant recompute, whose tensors then differ from the saved ones (torch's CheckpointError). The fix keeps
+    it with the module whose backward recomputes it (``update_recompute_parameters``); an older DeepSpeed has none."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
+
+    assert callable(getattr(coordinator, "update_recompute_parameters", None)), \
+        "DeepSpeed without #8148: install deepspeed>=0.19.3 (pyproject.toml)"

@@ -1,6 +1,7 @@
 """A rank that dies mid-run, on 2 CPU processes (DDP, gloo) launched as a user launches them: SIGKILL rank 1 once a
 periodic checkpoint exists; the launching rank ends within 60 s with one ``error:`` line naming the dead rank, how it
-died and the checkpoint to resume from, and that checkpoint resumes. Marked ``distributed``."""
+died and the checkpoint to resume from, and that checkpoint resumes (marked ``distributed``); and how the line names a
+rank that NCCL's watchdog ended."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import pytest
 import torch
 
 from conftest import MICRO_RUN
+from lit_spec.rank_watch import how_it_ended
 
-pytestmark = pytest.mark.distributed
 RUN = [*MICRO_RUN, "strategy=ddp", "trainer.devices=2", "trainer.val_check_interval=1000",
        "callbacks.model_checkpoint.every_n_train_steps=2", "callbacks.model_checkpoint.monitor=null"]
 
@@ -55,6 +56,7 @@ def last_line(proc: subprocess.Popen, log: Path) -> str:
     return [line for line in err.splitlines() if line.strip()][-1]
 
 
+@pytest.mark.distributed
 def test_a_killed_rank_ends_the_run_in_one_line_that_names_it_and_the_checkpoint(tmp_path):
     run, log = tmp_path / "run", tmp_path / "run.err"
     with reaped(train(run, "trainer.max_steps=100000", log=log)) as proc:
@@ -79,6 +81,7 @@ def test_a_killed_rank_ends_the_run_in_one_line_that_names_it_and_the_checkpoint
     assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.err").read_text()[-3000:]
 
 
+@pytest.mark.distributed
 def test_a_rank_killed_as_it_starts_ends_the_run_in_one_line(tmp_path):
     """Before the process group forms (Lightning's own observer would SIGKILL the launcher, silently, within 5 s)."""
     run, log = tmp_path / "run", tmp_path / "run.err"
@@ -94,3 +97,11 @@ def test_a_rank_killed_as_it_starts_ends_the_run_in_one_line(tmp_path):
         proc.wait(timeout=60)
     assert last_line(proc, log) == (f"error: rank 1 (pid {dead}) died (killed by SIGKILL) at step 0, so the run "
                                     "stopped: rerun it (no checkpoint was written)")
+
+
+def test_a_rank_ended_by_sigabrt_is_named_a_collective_timeout_not_a_death():
+    """NCCL's watchdog ends a collective that waited past the timeout by aborting its rank: SIGABRT is a hang."""
+    assert how_it_ended(-signal.SIGABRT) == ("hit a collective timeout (SIGABRT, how NCCL's watchdog ends a collective "
+                                             "that waited past dist_timeout_s: a hang, not a crash)")
+    assert how_it_ended(-signal.SIGKILL) == "died (killed by SIGKILL)"
+    assert how_it_ended(3) == "died (exit code 3)"

@@ -92,3 +92,25 @@ def test_a_lora_run_trains_the_adapters_and_exports_plain_merged_weights(micro_c
 def test_bad_lora_settings_are_refused_before_work(micro_config, overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_run(micro_config(*overrides))
+
+
+# one of each setting whose adapters merge_lora cannot merge (peft's LoRA variants: aLoRA's, VeLoRA's, KaSA's config)
+UNMERGEABLE = ["use_dora: true", "modules_to_save: [lm_head]", "trainable_token_indices: [3, 4]", "lora_bias: true",
+               "target_parameters: [mlp.down_proj.weight]", "layer_replication: [[0, 1], [0, 2]]",
+               "alora_invocation_tokens: [5]", "velora_config: {}", "kasa_config: {}"]
+
+
+@pytest.mark.parametrize("setting", UNMERGEABLE)
+def test_settings_the_export_cannot_merge_are_refused_before_work(micro_config, setting):
+    """Without the refusal each trains, then fails at the export (DoRA: "adapter weights left unmerged";
+    modules_to_save: save_pretrained's shared tensors), or exports what does not load as the model (layer_replication)
+    or another model, silently (aLoRA)."""
+    key = setting.split(":")[0]
+    with pytest.raises(ConfigError, match=rf"^method\.lora\.{key}=\S.*: .*(drop it|in target_modules instead)"):
+        check_run(micro_config(f"method.lora={{r: 4, {setting}}}"))
+
+
+def test_an_adapter_on_an_embedding_is_refused_as_the_model_is_built():
+    """``target_modules`` names layers of the model: only once it is built does it show an embedding among them."""
+    with pytest.raises(ConfigError, match=r"method\.lora\.target_modules: adapts model\.embed_tokens, not a linear"):
+        add_lora(random_model("llama"), {**LORA, "target_modules": ["embed_tokens", "q_proj"]})

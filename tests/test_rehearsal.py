@@ -1,8 +1,9 @@
 """Every paper experiment that targets GPUs, rehearsed on 2 CPU processes as the GPU would run it: the experiment's own
 strategy, precision, gradient accumulation, validation interval, speedup callback with its decoders, logger (W&B,
-offline) and method settings. Only what cannot run here is swapped: the model (a micro Llama; a draft student and
-transfer layers sized to it), the data (stdlib-code, or written trajectories of its block size), the accelerator (cpu)
-and the sizes (steps, records, prompts decoded). An experiment added under conf/experiment/ with a GPU trainer is
+offline), method settings and model dtype. Only what cannot run here is swapped: the model (a micro Llama in the
+experiment's dtype; a draft student and transfer layers sized to it), the data (stdlib-code, or written trajectories
+of its block size), the accelerator (cpu), the sizes (steps, records, prompts decoded), and the strategy's teardown
+for one that takes the model away as a GPU's does. An experiment added under conf/experiment/ with a GPU trainer is
 rehearsed here without editing this file.
 """
 
@@ -22,6 +23,9 @@ from test_sharded_training import train_cli
 
 pytestmark = pytest.mark.distributed
 
+OFF_DEVICE = {"lit_spec.strategies.DeepSpeedStrategy": "sharded_checks.DeepSpeedTeardownOffDevice",
+              "lightning.pytorch.strategies.DDPStrategy": "sharded_checks.DDPTeardownOffDevice",
+              "lit_spec.strategies.FSDPStrategy": "sharded_checks.FSDPTeardownOffDevice"}
 # what a GPU run printed and a user could do nothing about (issue: "a GPU log a user can read")
 NOISE = ["sync_dist=True", "is not supported by the model summary", "FutureWarning", "eval mode at the start of",
          "does not have many workers", "FLOPs not found", "that has Tensor Cores"]
@@ -43,10 +47,11 @@ def _composed(name: str):
 
 
 def swaps(name: str, tmp_path: Path) -> list[str]:
-    """The overrides that bring experiment ``name`` to this machine: model, data, accelerator and sizes only."""
+    """The overrides that bring experiment ``name`` to this machine: model, data, accelerator and sizes only. The micro
+    model keeps the dtype the experiment gives its real one (a frozen bf16 base beside fp32 heads, say)."""
     cfg = _composed(name)
-    run = [*MICRO_MODEL, "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=4",
-           "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false"]
+    run = [*MICRO_MODEL, f"model.dtype={cfg.model.dtype}", "trainer.accelerator=cpu", "trainer.devices=2",
+           "trainer.max_steps=4", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false"]
     if "speedup" in cfg.callbacks:
         run += ["callbacks.speedup.num_prompts=2", "callbacks.speedup.max_new_tokens=8"]
     if issubclass(get_class(cfg.data._target_), JacobiTrajectories):
@@ -58,6 +63,9 @@ def swaps(name: str, tmp_path: Path) -> list[str]:
     else:
         run += ["data=stdlib_code", "data.max_train_samples=64", "data.max_eval_samples=16",
                 "data.max_prompt_tokens=64", "data.max_answer_tokens=32"]
+    strategy = cfg.trainer.strategy
+    if not isinstance(strategy, str) and strategy._target_ in OFF_DEVICE:   # the GPU's teardown: the model moved away
+        run.append(f"trainer.strategy._target_={OFF_DEVICE[strategy._target_]}")
     if "stage" in cfg.model:        # a round's model is the previous round's export: the micro model instead
         run.append("~model.stage")
     if "student" in cfg.method:

@@ -43,18 +43,22 @@ HEADS = {"chimera": ["method=chimera"], "medusa": ["method=medusa"],
 AR_JACOBI = ["callbacks.speedup.extra_decoders={jacobi: {n_tokens: 4}}"]
 METHODS = {"ar": (AR_JACOBI, "jacobi"),
            "ar_lora": ([*AR_JACOBI, "method.lora={r: 4, lora_alpha: 8}"], "jacobi"),   # adapters partitioned too
+           # as the 7B-70B configs run it: a frozen ZeRO-3 base recomputed under checkpointing (DeepSpeed#8148)
+           "ar_lora_checkpointing": ([*AR_JACOBI, "method.lora={r: 4, lora_alpha: 8}",
+                                      "model.gradient_checkpointing=true"], "jacobi"),
            "cllm": ([], "jacobi"),
            "jacobi_forcing": ([], "multiblock"),
            **{name: ([*args, *BASE_CHECK], name) for name, args in HEADS.items()},
            "draft_distill": (["method=draft_distill", *STUDENT, *BASE_CHECK], "speculative")}
 ZERO = ["deepspeed_zero2", "deepspeed_zero3"]
+LORA = ("ar_lora", "ar_lora_checkpointing")
 # Jacobi Forcing: the card's ZeRO-3 only (its batches differ from CLLM's, its sharded path does not); AR with LoRA
 # adapters: in bf16 under the strategies that shard them, ZeRO-3 and FSDP2 (the fast suite checks its merge and
 # losslessness in fp32)
-MATRIX = [(m, s) for m in METHODS if m not in ("jacobi_forcing", "ar_lora") for s in ZERO] + [
+MATRIX = [(m, s) for m in METHODS if m not in ("jacobi_forcing", *LORA) for s in ZERO] + [
     ("jacobi_forcing", "deepspeed_zero3")] + [(m, "fsdp") for m in ("ar", "cllm", "medusa")]
-BF16_MATRIX = [(m, s) for m in METHODS if m != "ar_lora" for s in ("ddp", *ZERO, "fsdp")] + [
-    ("ar_lora", "deepspeed_zero3"), ("ar_lora", "fsdp")]
+BF16_MATRIX = [(m, s) for m in METHODS if m not in LORA for s in ("ddp", *ZERO, "fsdp")] + [
+    ("ar_lora", "deepspeed_zero3"), ("ar_lora", "fsdp"), ("ar_lora_checkpointing", "deepspeed_zero3")]
 TRAJECTORY_METHODS = {"cllm": ["data=trajectories"],
                       "jacobi_forcing": ["data=noisy_trajectories", "data.noise_window=2", "data.noise_schedule=random"]}
 
@@ -89,11 +93,19 @@ def logged(run_dir: Path, key: str) -> list[tuple[int, float]]:
         return [(int(r["step"]), float(r[key])) for r in csv.DictReader(f) if r.get(key)]
 
 
+# each strategy with the teardown a GPU's does: the module moved away, out of reach of collectives and reads
+OFF_DEVICE = {"ddp": "DDP", "deepspeed_zero2": "DeepSpeed", "deepspeed_zero3": "DeepSpeed", "fsdp": "FSDP"}
+
+
 def strategy_run(strategy: str) -> list[str]:
-    """ZeRO-3 with every parameter partitioned (DeepSpeed keeps ones under 1e5 elements whole by default: all of a
-    micro model's), and what each rank holds written by MemoryMonitor."""
+    """The strategy, its teardown as on a GPU (``sharded_checks.TeardownOffDevice``), ZeRO-3 with every parameter
+    partitioned (DeepSpeed keeps ones under 1e5 elements whole by default: all of a micro model's), and what each
+    rank holds written by MemoryMonitor."""
     persistence = ["trainer.strategy.param_persistence_threshold=0"] if strategy == "deepspeed_zero3" else []
-    return [f"strategy={strategy}", *persistence, "++callbacks.memory._target_=lit_spec.callbacks.MemoryMonitor"]
+    off_device = ([f"trainer.strategy._target_=sharded_checks.{OFF_DEVICE[strategy]}TeardownOffDevice"]
+                  if strategy in OFF_DEVICE else [])
+    return [f"strategy={strategy}", *persistence, *off_device,
+            "++callbacks.memory._target_=lit_spec.callbacks.MemoryMonitor"]
 
 
 # the precision policy (lit_spec.precision) per strategy and precision: the dtypes of frozen and trained weights and
@@ -107,12 +119,13 @@ BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def check_held(run_dir: Path, strategy: str, precision: str = "32-true", measured: bool = True,
-               lora: bool = False) -> None:
+               lora: bool = False, original: bool = False) -> None:
     """Each rank holds its weights in the policy's dtypes, and half of what its strategy partitions (DDP: nothing,
     every rank holds all of it): ZeRO-2 the optimizer (Adam's m and v and the fp32 master copy ZeRO keeps), ZeRO-3
     the parameters too, FSDP the parameters and optimizer of what trains. Where the weights are sharded and the run
-    is ``measured`` (the speedup callback), it also holds the callback's decoding copy: the whole module, no more.
-    A frozen base stays whole under FSDP; the frozen weights of a ``lora`` run are the sharded model's own."""
+    is ``measured`` (the speedup callback), it also held the callback's decoding copy: what the decoders run and is
+    sharded, no more. A frozen base stays whole under FSDP (the copy shares it); the frozen weights of a ``lora`` run
+    are the sharded model's own; the frozen ``original`` an AR term distils from is never decoded."""
     frozen_dtype, trained_dtype, masters = POLICY[precision, strategy]
     for rank in (0, 1):
         held = json.loads((run_dir / f"memory.rank{rank}.json").read_text())
@@ -128,7 +141,8 @@ def check_held(run_dir: Path, strategy: str, precision: str = "32-true", measure
                     "deepspeed_zero3": ((frozen + trained) / 2, states / 2),
                     "fsdp": (frozen / (2 if lora else 1) + trained / 2, states / 2)}[strategy]
         assert (held["params_mb"], held["optimizer_mb"]) == pytest.approx(expected, rel=0.1), (rank, held, expected)
-        copy = frozen + trained if measured and strategy in ("deepspeed_zero3", "fsdp") else 0.0
+        frozen_copied = not original and (strategy == "deepspeed_zero3" or lora)
+        copy = trained + frozen * frozen_copied if measured and strategy in ("deepspeed_zero3", "fsdp") else 0.0
         assert held["decode_copy_mb"] == pytest.approx(copy, rel=0.01), (rank, held, copy)
 
 
@@ -158,7 +172,7 @@ def check_export(method: str, export: Path, base_dir: str, initial: dict[str, to
     ids = torch.tensor([[1, 5, 9, 13, 17]])
     base = AutoModelForCausalLM.from_pretrained(base_dir)
     greedy = generate(base, ids, "ar", max_new_tokens=12).sequences
-    if method in ("ar", "ar_lora", *TRAJECTORY_METHODS):   # a LoRA export: the adapters merged, plain names
+    if method in ("ar", *LORA, *TRAJECTORY_METHODS):   # a LoRA export: the adapters merged, plain names
         trained = load_file(export / "model.safetensors")
         assert trained.keys() == initial.keys()
         assert any(not torch.equal(trained[k], initial[k]) for k in trained), "exported the untrained weights"
@@ -228,29 +242,54 @@ def test_method_trains_and_exports_in_bf16_mixed(method, strategy, tmp_path, mic
     metrics = train_cli(tmp_path / "run", *run)
     assert metrics["global_step"] == 4
     assert len(logged(tmp_path / "run", f"mean_accepted/{METHODS[method][1]}")) == 3
-    check_held(tmp_path / "run", strategy, "bf16-mixed", lora=method == "ar_lora")
+    check_held(tmp_path / "run", strategy, "bf16-mixed", lora=method in LORA, original=method == "cllm")
     check_export(method, tmp_path / "run" / "export", micro_dirs[0],
                  load_file(Path(micro_dirs[0]) / "model.safetensors"))
     if strategy == "deepspeed_zero3":
         check_resume(tmp_path / "run", tmp_path / "resumed", run, method, rel=1e-3)
 
 
-def test_the_decoding_copy_measures_what_the_sharded_model_measures(tmp_path):
-    """Under ZeRO-3 the speedup callback decodes a plain copy of the gathered weights: it measures the τ, exactness and
-    answer NLL that decoding the sharded model itself gives (every measurement), and at step 0, before any update,
-    what one process gives."""
-    common = [*method_run("cllm", tmp_path), *TWO_RANKS, "trainer.max_steps=4", "trainer.val_check_interval=2"]
+def test_the_decoding_copy_is_agreed_and_measures_what_the_sharded_model_measures(tmp_path):
+    """ZeRO-3, ``decode_copy=auto``. With room on both ranks both decode a plain copy; with none on rank 1, both (one
+    decision for all) decode the sharded model collectively, at most two of its four layers whole at a time (DeepSpeed
+    releases each after use where, as at 7B+, it is no smaller than its reuse distance and prefetch bucket: set to 0
+    for the micro model). Both measure the same τ, exactness and answer NLL at every measurement, and at step 0,
+    before any update, what one process measures."""
+    common = [*method_run("cllm", tmp_path), *TWO_RANKS, "model.num_hidden_layers=4", "trainer.max_steps=4",
+              "trainer.val_check_interval=2"]
     keys = ["mean_accepted/jacobi", "exact_match/jacobi", "drift/nll/heldout"]
     runs = {}
-    for name, extra in {"copy": ["callbacks.speedup.decode_copy=true"],
-                        "sharded": ["callbacks.speedup.decode_copy=false"]}.items():
+    for name, extra in {"copy": [], "sharded": ["+callbacks.little_room._target_=sharded_checks.LittleRoomOnRank1",
+                                                "+callbacks.layers._target_=sharded_checks.WholeLayersWhileDecoding",
+                                                "+trainer.strategy.zero_optimization={stage3_max_reuse_distance: 0,"
+                                                "stage3_prefetch_bucket_size: 0}"]}.items():
         train_cli(tmp_path / name, *common, *strategy_run("deepspeed_zero3"), *extra)
         runs[name] = {key: logged(tmp_path / name, key) for key in keys}
         assert len(runs[name]["mean_accepted/jacobi"]) == 3
+        copies = [json.loads((tmp_path / name / f"memory.rank{r}.json").read_text())["decode_copy_mb"] for r in (0, 1)]
+        assert all(copies) if name == "copy" else not any(copies), (name, copies)
+    for rank in (0, 1):
+        layers = json.loads((tmp_path / "sharded" / f"whole_layers.rank{rank}.json").read_text())
+        assert layers["layers"] == 4 and 0 < layers["most"] <= 2, layers
     assert runs["copy"] == runs["sharded"]
     train_cli(tmp_path / "one", *common, "trainer.devices=1")
     one = {key: logged(tmp_path / "one", key)[0][1] for key in keys}
     assert {key: values[0][1] for key, values in runs["copy"].items()} == pytest.approx(one, rel=1e-5)
+
+
+def test_each_rank_measures_its_share_and_all_log_the_same_figures(tmp_path):
+    """DDP, 2 held-out prompts: each rank decodes, scores and measures the NLL of one, and both compute the same
+    figures from the gathered whole, though rank 1's model answers otherwise after step 0 (a change only it sees:
+    ranks that logged different keys would hang). The weights barely move (lr 1e-9): rank 0's answer stays."""
+    run_dir = tmp_path / "run"
+    train_cli(run_dir, *method_run("cllm", tmp_path), *TWO_RANKS, "method.lr=1e-9", *strategy_run("ddp"),
+              "+callbacks.diverges._target_=sharded_checks.DivergesOnRank1")
+    measured = [json.loads((run_dir / f"measured.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [m["nll_forwards"] for m in measured] == [3, 3], "3 measurements, one of the two records each"
+    first, second = ({k: v for k, v in m["metrics"].items() if k != "time/measure_s"} for m in measured)
+    assert first == second
+    assert first["quality/agreement"] == 0.5 and "quality/first_divergence" in first
+    assert [v for _, v in logged(run_dir, "quality/agreement")] == [1.0, 0.5, 0.5]
 
 
 def free_port() -> int:

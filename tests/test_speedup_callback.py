@@ -29,8 +29,8 @@ class JacobiAR(ARModule):
 
 
 class Grab(L.Callback):
-    """Keeps the run's SpeedupCallback, whether the module was in train mode at every training step, and the answer
-    sets' NLL under the trained model."""
+    """Keeps the run's SpeedupCallback, whether the trained part was in train mode at every training step, and the
+    answer sets' NLL under the trained model."""
 
     found: SpeedupCallback | None = None
     modes: list[bool] = []
@@ -38,7 +38,7 @@ class Grab(L.Callback):
     final_nll: dict[str, float] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        Grab.modes.append(pl_module.model.training)
+        Grab.modes.append(getattr(pl_module, pl_module.exported).training)
 
     def on_fit_end(self, trainer, pl_module):
         Grab.found = next(c for c in trainer.callbacks if isinstance(c, SpeedupCallback))
@@ -228,3 +228,12 @@ def test_token_f1():
     assert token_f1("return x()", "return self.x") == pytest.approx(0.5)
     assert token_f1("a a b", "a") == pytest.approx(2 * (1 / 3) * 1 / (1 / 3 + 1))  # multiset: one 'a' matches
     assert token_f1("", "") == 1.0 and token_f1("x", "") == 0.0 and token_f1("x", "y") == 0.0
+
+
+def test_a_bf16_base_beside_fp32_heads_is_measured_under_bf16_mixed(tmp_path):
+    """bf16-mixed keeps the trained heads in fp32 beside a bf16 frozen base (a paper experiment's model.dtype):
+    training runs under autocast, and so must the callback's decoding and NLLs, or fp32 heads meet bf16 states."""
+    callback = _run(tmp_path / "run", "method=medusa", "model.dtype=bfloat16", "trainer.precision=bf16-mixed",
+                    "callbacks.speedup.drift_data=null")
+    assert [step for step, _ in callback.history] == [0, 4, 8]
+    assert all(m["mean_accepted/medusa"] >= 1.0 for _, m in callback.history)

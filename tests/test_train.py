@@ -23,8 +23,11 @@ def _logged(run_dir: Path, key: str) -> list[tuple[int, float]]:
 
 
 def test_ar_loss_goes_down_and_export_loads(micro_config, tmp_path):
+    """... with a strategy whose teardown takes the model away, as a GPU's moves it to the CPU: the export is taken
+    while the strategy still holds it."""
     cfg = micro_config("trainer.max_steps=24", "trainer.val_check_interval=8", "method.lr=1e-2",
-                       "trainer.log_every_n_steps=1")
+                       "trainer.log_every_n_steps=1",
+                       "trainer.strategy={_target_: sharded_checks.SingleDeviceTeardownOffDevice, device: cpu}")
     metrics = run_training(cfg)
     run = Path(cfg.paths.output_dir)
 

@@ -2,7 +2,9 @@
 into place (``AtomicCheckpointIO``, the trainer's checkpoint plugin: Lightning's own goes through an fsspec
 transaction whose temporary file lives in /tmp, so its final move can cross filesystems, a copy that a full disk
 leaves truncated). A sharded checkpoint directory (DeepSpeed's, FSDP's) is written by every rank under a temporary
-name and put in place by rank 0 once all have written (``WholeDirectorySave``). A full disk is one ``DiskFull`` line.
+name and put in place by rank 0 once all have written (``WholeDirectorySave``). A superseded checkpoint is renamed
+aside at once and deleted in a thread of rank 0, so no rank waits on its deletion at a collective. A full disk is one
+``DiskFull`` line.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lit_spec.errors import DiskFull, is_disk_full
-from lit_spec.io import atomic_file, replace_dir
+from lit_spec.io import atomic_file, move_old_aside, remove_in_background, swap_in
 
 
 def newest_checkpoint(directory: Path) -> Path | None:
@@ -58,11 +60,21 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             _raise_if_full(e, path)
             raise
 
+    def remove_checkpoint(self, path) -> None:
+        """Lightning's removal of a superseded checkpoint (top-k, last), on rank 0 while the other ranks go on to their
+        next collective: set aside at once, deleted in a thread (``remove_in_background``)."""
+        if "://" in str(path):
+            return super().remove_checkpoint(path)
+        old = move_old_aside(Path(path))
+        if old is not None:
+            remove_in_background(old)
+
 
 class WholeDirectorySave:
     """For a strategy whose checkpoint is a directory written by every rank: write it as a hidden sibling, then
-    (every rank done) rank 0 renames it into place (``replace_dir``). A failed or interrupted save leaves the earlier
-    checkpoint of that name whole, and only a ``.tmp-*`` directory, removed by the next save."""
+    (every rank done) rank 0 renames it into place (``swap_in``), and deletes the one it replaces after the last
+    barrier, in a thread. A failed or interrupted save leaves the earlier checkpoint of that name whole, and only a
+    ``.tmp-*`` or ``.old-*`` directory, removed by the next save of that name."""
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         path = Path(self.broadcast(str(filepath)))
@@ -76,6 +88,7 @@ class WholeDirectorySave:
             _raise_if_full(e, path)
             raise
         self.barrier("checkpoint: written")
-        if self.is_global_zero:
-            replace_dir(written, path)
+        old = swap_in(written, path) if self.is_global_zero else None
         self.barrier("checkpoint: in place")
+        if old is not None:   # in a thread: Trainer.save_checkpoint's own barrier follows this at once
+            remove_in_background(old)

@@ -24,22 +24,33 @@ HELDOUT = "heldout"     # the answer set of the decoded prompts themselves, besi
 
 
 @torch.no_grad()
-def answer_nll(model, records: list[dict], device: torch.device) -> float:
-    """Mean negative log-likelihood per answer token of ``records`` (``prompt_ids``, ``answer_ids``) under ``model``:
-    summed over every answer token of every record, over their count (a long answer weighs by its tokens). One
-    forward per record (no padding), the prompt masked out of the labels, transformers' own shifted loss; eval mode,
-    every submodule's mode restored after. Records with an empty answer are skipped; NaN when none is left."""
-    total, count = 0.0, 0
+def answer_nll_terms(model, records: list[dict], device: torch.device) -> list[tuple[float, int]]:
+    """Per record (``prompt_ids``, ``answer_ids``): the summed negative log-likelihood of its answer tokens under
+    ``model`` and their count; (0.0, 0) for an empty answer. One forward per record (no padding), the prompt masked
+    out of the labels, transformers' own shifted loss; eval mode, every submodule's mode restored after."""
+    terms = []
     with eval_mode(model):
         for record in records:
             if not record["answer_ids"]:
+                terms.append((0.0, 0))
                 continue
             batch = collate_answers([(record["prompt_ids"], record["answer_ids"])], pad_token_id=0)
             batch = {k: v.to(device) for k, v in batch.items()}
             tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())   # the labels the shifted loss scores
-            total += model(**batch, use_cache=False).loss.item() * tokens
-            count += tokens
-    return total / count if count else float("nan")
+            terms.append((model(**batch, use_cache=False).loss.item() * tokens, tokens))
+    return terms
+
+
+def nll_mean(terms: list[tuple[float, int]]) -> float:
+    """The mean NLL per answer token of ``answer_nll_terms`` (a long answer weighs by its tokens); NaN for none."""
+    count = sum(n for _, n in terms)
+    return sum(total for total, _ in terms) / count if count else float("nan")
+
+
+def answer_nll(model, records: list[dict], device: torch.device) -> float:
+    """Mean negative log-likelihood per answer token of ``records`` under ``model``: summed over every answer token of
+    every record, over their count. Records with an empty answer are skipped; NaN when none is left."""
+    return nll_mean(answer_nll_terms(model, records, device))
 
 
 def compare_answers(outputs: list[list[int]], originals: list[list[int]]) -> dict[str, float | None]:

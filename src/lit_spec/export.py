@@ -1,7 +1,7 @@
 """Export the trained model with ``save_pretrained``, whatever strategy trained it.
 
 The exported part alone (a fine-tuned model, heads, maps, a draft; never a frozen base) is taken onto rank 0's CPU one
-parameter at a time, in the export's dtype (``export_dtype``, by default the model's own, whatever the strategy and
+submodule at a time, in the export's dtype (``export_dtype``, by default the model's own, whatever the strategy and
 precision): under DeepSpeed from its fp32 masters, under FSDP2 gathered, elsewhere the live weights. No scratch
 checkpoint is written, and rank 0 holds the export once: ``save_pretrained`` writes it through a weightless copy.
 """
@@ -16,7 +16,7 @@ import torch
 from lit_spec.errors import ConfigError
 from lit_spec.io import atomic_dir, check_writable, write_json
 from lit_spec.precision import export_dtype
-from lit_spec.strategies import full_precision, gathered, is_deepspeed, weights_sharded
+from lit_spec.strategies import is_deepspeed, weights_sharded, whole_weights
 
 MARK = "lit_spec_export.json"        # in every export: what wrote it; only a directory holding one is replaced
 
@@ -36,23 +36,22 @@ def check_export_dir(directory: str | Path) -> None:
 
 
 def exported_state(trainer: L.Trainer, module, dtype: torch.dtype) -> dict | None:
-    """The exported part's whole state dict on rank 0's CPU, its floating tensors in ``dtype``, taken one parameter at
-    a time: DeepSpeed's fp32 masters where it keeps them, gathered where the weights are sharded, the live tensors
-    elsewhere (copied only to change device or dtype). Rank 0 never holds more than the export. None on the other
-    ranks; every rank calls it."""
-    strategy = trainer.strategy
-    consolidate = is_deepspeed(strategy) or weights_sharded(strategy)
-    state, taken = {}, {}     # taken: a tied parameter (embeddings and LM head) is taken once, and stays shared
-    for key, value in getattr(module, module.exported).state_dict(keep_vars=True).items():
-        if id(value) not in taken:
-            tensor = value
-            if consolidate and isinstance(value, torch.nn.Parameter):
-                tensor = full_precision(value)
-                if tensor is None:
-                    with gathered([value]) as (whole,):
-                        tensor = whole.detach().to(dtype, copy=True)
-            keep = dtype if tensor.is_floating_point() else tensor.dtype
-            taken[id(value)] = tensor.detach().to("cpu", keep) if trainer.is_global_zero else None
+    """The exported part's whole state dict on rank 0's CPU, its floating tensors in ``dtype``, taken one submodule at
+    a time (``whole_weights``): DeepSpeed's fp32 masters where it keeps them, gathered where the weights are sharded,
+    the live tensors elsewhere (copied only to change device or dtype). Rank 0 never holds more than the export. None
+    on the other ranks; every rank calls it, while the strategy still holds the model (before its teardown)."""
+    part = getattr(module, module.exported)
+    taken = {}     # by parameter: a tied one (embeddings and LM head) is taken once, and stays shared
+    if is_deepspeed(trainer.strategy) or weights_sharded(trainer.strategy):
+        for _, param, tensor in whole_weights(part, masters=True):
+            if id(param) not in taken:
+                # a copy: a gathered tensor's storage is DeepSpeed's to reuse once the next submodule is gathered
+                taken[id(param)] = tensor.detach().to("cpu", dtype, copy=True) if trainer.is_global_zero else None
+    state = {}
+    for key, value in part.state_dict(keep_vars=True).items():
+        if id(value) not in taken:   # buffers, and every weight where nothing is sharded
+            keep = dtype if value.is_floating_point() else value.dtype
+            taken[id(value)] = value.detach().to("cpu", keep) if trainer.is_global_zero else None
         state[key] = taken[id(value)]
     return state if trainer.is_global_zero else None
 

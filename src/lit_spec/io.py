@@ -1,4 +1,5 @@
-"""Atomic writes: work that matters is written under a temporary name, then renamed into place."""
+"""Atomic writes: work that matters is written under a temporary name, then renamed into place; what it replaces is
+renamed aside first, and deleted then or, where others must not wait on it, in a thread (``remove_in_background``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -71,14 +73,59 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def replace_dir(written: Path, path: Path) -> None:
-    """Put ``written`` (a whole directory, or file, beside ``path``) in place of ``path``: renames only, so ``path``
-    is at every moment the old one, absent for an instant, or the new one, never a mix."""
-    old = path.with_name(f".old-{path.name}")
-    _remove(old)
-    if path.exists():
-        os.replace(path, old)
+    """Put ``written`` (a whole directory, or file, beside ``path``) in place of ``path`` (``swap_in``), then delete
+    the old one."""
+    old = swap_in(written, path)
+    if old is not None:
+        _remove(old)
+
+
+def swap_in(written: Path, path: Path) -> Path | None:
+    """Put ``written`` in place of ``path`` by renames only, so ``path`` is at every moment the old one, absent for an
+    instant, or the new one, never a mix. Returns where the old one now is (``move_old_aside``), for the caller to
+    delete."""
+    old = move_old_aside(path)
     os.replace(written, path)
+    return old
+
+
+def move_old_aside(path: Path) -> Path | None:
+    """Rename ``path`` to its hidden sibling ``.old-<name>`` (one rename, however large it is) and return that; None
+    where there is no ``path``. An earlier ``.old-<name>`` is deleted first (this process may still be deleting it:
+    waited for; else a killed process left it)."""
+    old = path.with_name(f".old-{path.name}")
+    deleting = _deleting.pop(os.path.abspath(old), None)
+    if deleting is not None:
+        deleting.join()
     _remove(old)
+    if not (path.exists() or path.is_symlink()):
+        return None
+    os.replace(path, old)
+    return old
+
+
+_deleting: dict[str, threading.Thread] = {}    # what remove_in_background is deleting: its absolute path -> thread
+
+
+def remove_in_background(path: Path) -> None:
+    """Delete ``path`` in a thread: a superseded sharded checkpoint is terabytes at 70B, which the other ranks would
+    wait on at their next collective, up to its timeout. Not a daemon: the process ends once it is deleted."""
+    thread = threading.Thread(target=_remove_or_warn, args=(path,), name=f"remove {path.name}")
+    _deleting[os.path.abspath(path)] = thread
+    thread.start()
+
+
+def wait_for_removals() -> None:
+    """Return once every ``remove_in_background`` of this process has ended."""
+    while _deleting:
+        _deleting.popitem()[1].join()
+
+
+def _remove_or_warn(path: Path) -> None:
+    try:
+        _remove(path)
+    except OSError as error:     # in a thread: a warning, not a traceback
+        log.warning("could not delete %s (%s): delete it by hand", path, error)
 
 
 def _remove(path: Path) -> None:

@@ -88,6 +88,17 @@ class Run:
     extras: list[dict] = field(default_factory=list)
 
 
+def concat_runs(parts: list[dict[str, Run]]) -> dict[str, Run]:
+    """Runs over consecutive groups of prompts (the same runners) as one run each over all of them, in order."""
+    runs = {name: Run() for name in (parts[0] if parts else {})}
+    for part in parts:
+        for name, run in part.items():
+            runs[name].outputs += run.outputs
+            runs[name].stats = runs[name].stats + run.stats
+            runs[name].extras += run.extras
+    return runs
+
+
 def warm_up(runners: dict, prompts: list[torch.Tensor], max_new_tokens: int, eos) -> None:
     """Decode ``prompts`` with every runner (kernels, allocator, caches), then ``reset()`` what a runner learns
     across prompts, so warm-up prompts teach nothing."""

@@ -7,7 +7,7 @@ The export is in ``export_dtype`` (default: the model's own), whatever the strat
 |-----------|----------------------|-----------------|-----------------|---------|
 | DeepSpeed | bf16-mixed/bf16-true | bf16            | fp32 (DeepSpeed)| bf16    |
 | DeepSpeed | 16-mixed/16-true     | fp16            | fp32 (DeepSpeed)| fp16    |
-| any other | X-mixed              | fp32            | the weights     | X (autocast) |
+| any other | X-mixed              | fp32            | the weights     | X (autocast; FSDP2 gathers in X) |
 | any       | X-true               | X               | the weights     | X       |
 
 DeepSpeed casts what it wraps to its low precision and keeps fp32 masters in its optimizer; under ZeRO-3 the base is
@@ -56,6 +56,16 @@ def precision_policy(strategy, precision: str | int | None) -> PrecisionPolicy:
     if mode == "mixed":
         return PrecisionPolicy(trained=torch.float32, masters=None, compute=dtype)
     return PrecisionPolicy(trained=dtype, masters=None, compute=dtype)
+
+
+def fsdp_mixed_precision(policy: PrecisionPolicy):
+    """FSDP2's ``MixedPrecisionPolicy`` for a policy: under mixed precision the units all-gather their weights in the
+    compute dtype (half fp32's traffic) and reduce gradients in fp32 into the fp32 shards; otherwise FSDP's default."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if policy.compute == policy.trained:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=policy.compute, reduce_dtype=torch.float32)
 
 
 def check_policy(policy: PrecisionPolicy, strategy_name: str, precision: str) -> None:

@@ -47,7 +47,14 @@ def _stop(procs: list) -> None:
 
 
 def how_it_ended(returncode: int) -> str:
-    return f"killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"exit code {returncode}"
+    """How a rank's process ended, as the line says it. SIGABRT is how NCCL's watchdog ends a rank whose collective
+    waited past its timeout: a hang, which "died" would misname."""
+    if returncode == -signal.SIGABRT:
+        return ("hit a collective timeout (SIGABRT, how NCCL's watchdog ends a collective that waited past "
+                "dist_timeout_s: a hang, not a crash)")
+    if returncode < 0:
+        return f"died (killed by {signal.Signals(-returncode).name})"
+    return f"died (exit code {returncode})"
 
 
 def is_lost_peer(error: BaseException) -> bool:
@@ -93,7 +100,7 @@ class RankWatch:
         returncode = proc.wait()
         if returncode == 0 or self.done.is_set() or not claim_report():
             return
-        print(f"error: rank {rank} (pid {proc.pid}) died ({how_it_ended(returncode)}) at step "
+        print(f"error: rank {rank} (pid {proc.pid}) {how_it_ended(returncode)} at step "
               f"{self.trainer.global_step}, so the run stopped: {resume_hint(self.checkpoints)}", file=sys.stderr,
               flush=True)
         _stop(procs)

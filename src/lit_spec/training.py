@@ -30,10 +30,13 @@ log = logging.getLogger(__name__)
 
 
 class _FinishRun(L.Callback):
-    """Final metrics, export and ``metrics.json``, done at the end of fit in the processes that trained.
+    """Final metrics, export and ``metrics.json``, done at the end of training in the processes that trained.
 
-    With ``strategy=ddp_spawn`` those are spawned workers: the launching process gets back neither the model (it
-    never built one) nor the step count, so nothing there could be exported.
+    At ``on_train_end``, while the strategy still holds the model: Lightning tears the strategy down before
+    ``on_fit_end``, and a strategy's teardown moves the module and its optimizer to the CPU (DeepSpeed's too), where
+    the export's collectives (gathers, fp32 masters) cannot reach it on GPUs. With ``strategy=ddp_spawn`` the
+    processes that trained are spawned workers: the launching process gets back neither the model (it never built
+    one) nor the step count, so nothing there could be exported.
     """
 
     def __init__(self, cfg: DictConfig):
@@ -41,7 +44,7 @@ class _FinishRun(L.Callback):
         self.metrics: dict[str, float] | None = None
         self.started = time.monotonic()
 
-    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         metrics["global_step"] = trainer.global_step
         if self.cfg.get("export_dir"):

@@ -3,7 +3,7 @@
 At the end of training every rank counts the bytes of model parameters it holds (a ZeRO-3 partition, an FSDP2
 shard, or the whole model), of its optimizer (states, plus the fp32 master copies DeepSpeed's ZeRO optimizers keep
 of their partitions), the dtypes of the frozen and trained weights and of the optimizer's masters (the precision
-policy, ``lit_spec.precision``, as it came out), the speedup callback's decoding copy where it keeps one, its peak
+policy, ``lit_spec.precision``, as it came out), the largest decoding copy the speedup callback held, its peak
 resident memory and its peak CUDA memory when there is a GPU, and the median time of a training step; it writes them
 to ``memory.rank<r>.json`` in the run directory and logs ``memory/*`` on rank 0. ``experiments/strategy_memory.py``
 tabulates them per strategy.
@@ -19,7 +19,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from lit_spec.callbacks.speedup import SpeedupCallback, copy_bytes
+from lit_spec.callbacks.speedup import SpeedupCallback
 from lit_spec.io import write_json
 from lit_spec.strategies import local_tensor, whole_numel
 
@@ -85,8 +85,7 @@ class MemoryMonitor(L.Callback):
             "dtypes": {"frozen": _dtypes(p for p in params if not p.requires_grad),
                        "trained": _dtypes(p for p in params if p.requires_grad),
                        "masters": sorted({d for _, dtypes in held for d in dtypes})},
-            "decode_copy_mb": sum(copy_bytes(c.copy) for c in trainer.callbacks
-                                  if isinstance(c, SpeedupCallback) and c.copy is not None) / MB,
+            "decode_copy_mb": sum(c.copy.peak_bytes for c in trainer.callbacks if isinstance(c, SpeedupCallback)) / MB,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,   # Linux reports KiB
             "step_s": statistics.median(self.step_times[1:] or self.step_times or [0.0]),   # the first one warms up
         }

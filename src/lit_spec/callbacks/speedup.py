@@ -24,18 +24,18 @@ for a decoder (CLLM: Jacobi; Chimera, Hidden Transfer: their tree decoders) plug
 ``extra_decoders`` adds any registered decoder over the same model. From the datamodule it uses only
 ``eval_records(split, n)``, ``tokenizer`` and ``metric``.
 
-Every rank decodes the same prompts; only rank zero writes to loggers. Where the weights are sharded (ZeRO-3, FSDP2)
-the decoders run on a plain copy of the module, refreshed from the gathered weights at every measurement (one submodule
-gathered at a time): through DeepSpeed's per-module hooks every one-token forward costs ~6-15x more. The copy costs
-the whole model's weights once more per rank; where that does not fit (``decode_copy=auto``: 80% of the free device
-memory, or of this rank's share of the free RAM on CPU) the decoders run on the sharded model, collectively, as before.
+On N ranks the work is split: rank r decodes, scores and measures the NLL of every N-th prompt and record from the r-th,
+and one ``all_gather_object`` per measurement brings every rank the whole, from which each computes the same figures
+(only rank zero writes to loggers). Decoding and scoring run under the precision plugin's forward context (autocast
+under bf16-mixed), as the training step does. Where the weights are sharded (ZeRO-3, FSDP2) the decoders run on a
+plain copy of the module for the measurement, or, where it does not fit, on the sharded model collectively: every rank
+then runs every forward and keeps its share (``lit_spec.callbacks.decoding_copy``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import lightning as L
@@ -45,20 +45,16 @@ from omegaconf import DictConfig, OmegaConf
 from lit_spec.data.execution import describe_isolation
 from lit_spec.data.metrics import EXECUTION_METRICS, score_answers
 from lit_spec.decoding import DECODERS, Decoder
-from lit_spec.drift import HELDOUT, answer_nll, check_drift_data, compare_answers, drift_records
+from lit_spec.callbacks.decoding_copy import DecodingCopy
+from lit_spec.drift import HELDOUT, answer_nll_terms, check_drift_data, compare_answers, drift_records, nll_mean
 from lit_spec.errors import ConfigError
-from lit_spec.measure import EXTRAS, Run, build_decoders, compare, decode_prompts, eval_mode
-from lit_spec.strategies import copy_whole, weights_sharded, whole_numel, whole_parameters
+from lit_spec.measure import EXTRAS, Run, build_decoders, compare, concat_runs, decode_prompts, eval_mode
+from lit_spec.strategies import all_gather_object
 
 log = logging.getLogger(__name__)
 
 PLOT = "speedup.png"     # in the run directory, beside csv/metrics.csv
 UNPLOTTED = {"quality/first_divergence"}   # tokens, off the scale of the quality panel's shares
-
-
-def copy_bytes(module: torch.nn.Module) -> int:
-    """The decoding copy's stated bound: every weight of ``module`` whole, in its live dtype (buffers are small)."""
-    return sum(whole_numel(p) * p.element_size() for p in module.parameters())
 
 
 def plot_history(history: list[tuple[int, dict[str, float]]], path: Path) -> None:
@@ -102,7 +98,7 @@ class SpeedupCallback(L.Callback):
         drift_data: ``{set name: data config name}``: answer sets whose NLL is logged as ``drift/nll/SET`` (all
             records of the data config's evaluation split), beside the held-out records' own.
         decode_copy: where the weights are sharded, decode a plain copy (``true``), the sharded model itself
-            (``false``), or the copy where it fits in memory (``auto``).
+            (``false``), or the copy where it fits in memory on every rank (``auto``; ``DecodingCopy``).
     """
 
     def __init__(self, num_prompts: int = 8, max_new_tokens: int = 64, split: str = "validation",
@@ -113,12 +109,11 @@ class SpeedupCallback(L.Callback):
         if isinstance(extra_decoders, DictConfig):
             extra_decoders = OmegaConf.to_container(extra_decoders, resolve=True)
         self.extra_decoders = {name: dict(params or {}) for name, params in (extra_decoders or {}).items()}
-        self.drift_data, self.decode_copy = drift_data, decode_copy
-        self.copy: L.LightningModule | None = None   # the plain copy the decoders run on (sharded weights only)
+        self.drift_data, self.copy = drift_data, DecodingCopy(decode_copy)
         self.records: list[dict] | None = None
         self.answer_sets: dict[str, list[dict]] = {}    # set name -> records whose answers' NLL is logged
         self.tokenizer = None
-        self.decoders: dict[str, Decoder] | None = None
+        self.warmed = False
         # the original model's: {"prompt_ids", "outputs" (greedy AR), "nll" ({set name: answer NLL})}
         self.reference: dict | None = None
         self.validations = 0
@@ -141,42 +136,15 @@ class SpeedupCallback(L.Callback):
                 raise ConfigError("callbacks.speedup.extra_decoders: 'ar' is the baseline, always measured; "
                                   "give the entry another name and `method: ar`")
         self.drift_data = check_drift_data(self.drift_data, "callbacks.speedup.drift_data")
-        if self.decode_copy not in (True, False, "auto"):
-            raise ConfigError(f"callbacks.speedup.decode_copy={self.decode_copy!r}: true, false or auto")
+        if self.copy.mode not in (True, False, "auto"):
+            raise ConfigError(f"callbacks.speedup.decode_copy={self.copy.mode!r}: true, false or auto")
 
-    def _copy_fits(self, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
-        """Whether a whole copy of the module's weights fits in 80% of this rank's free memory."""
-        need = copy_bytes(pl_module)
-        if pl_module.device.type == "cuda":
-            free = torch.cuda.mem_get_info(pl_module.device)[0]
-        else:   # the ranks of a node share its RAM
-            import psutil
-
-            free = psutil.virtual_memory().available // max(1, trainer.num_devices)
-        return need <= 0.8 * free
-
-    def _decoding_module(self, trainer: L.Trainer, pl_module: L.LightningModule) -> L.LightningModule:
-        """The module the decoders run on, its weights those of ``pl_module`` now: a plain copy where the weights
-        are sharded (built at first use, then only what trains is copied again), else ``pl_module`` itself."""
-        if self.copy is None and weights_sharded(trainer.strategy) and (
-                self.decode_copy is True or (self.decode_copy == "auto" and self._copy_fits(trainer, pl_module))):
-            copy = type(pl_module)(**pl_module.hparams)     # as load_from_checkpoint builds it: no trainer, no hooks
-            copy.policy = pl_module.policy                   # built in the live weights' dtypes
-            copy.build_models()
-            copy_whole(pl_module, copy.to(pl_module.device))
-            self.copy = copy.eval()
-            log.info("speedup callback: decoding a plain copy of the sharded model (decode_copy=%s)", self.decode_copy)
-        elif self.copy is not None:
-            copy_whole(pl_module, self.copy, only_trained=True)
-        return self.copy or pl_module
-
-    def _prepare(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """At first use (the model exists only after ``configure_model``): prompts, decoders, one warm-up decode."""
-        if self.decoders is not None:
+    def _prepare(self, trainer: L.Trainer) -> None:
+        """At first use (the datamodule is set up by then): the prompts and the answer sets."""
+        if self.records is not None:
             return
-        if weights_sharded(trainer.strategy) and self.copy is None:
-            log.info("speedup callback: decoding the sharded model collectively (decode_copy=%s)", self.decode_copy)
         dm = trainer.datamodule
+        self.tokenizer = dm.tokenizer
         for split in dict.fromkeys([self.split, "test", "train"]):
             self.records = dm.eval_records(split, self.num_prompts)
             if self.records:
@@ -184,19 +152,24 @@ class SpeedupCallback(L.Callback):
             log.info("speedup callback: split %r has no records, trying the next", split)
         if not self.records:
             raise ConfigError("callbacks.speedup: the datamodule has no records to decode")
-        decoders = {"ar": DECODERS["ar"](pl_module.model), **getattr(pl_module, "decoders", dict)()}
-        clash = sorted(set(decoders) & set(self.extra_decoders))
-        if clash:
-            raise ConfigError(f"callbacks.speedup.extra_decoders.{clash[0]}: the method already offers a decoder "
-                              f"named {clash[0]!r}; name the entry otherwise, with `method: {clash[0]}`")
-        self.decoders = decoders | build_decoders(pl_module.model, self.extra_decoders)
         self.answer_sets = {HELDOUT: self.records} | {
             name: drift_records(data, dm.tokenizer) for name, data in self.drift_data.items()}
         log.info("speedup callback: answer NLL of %s", ", ".join(f"{n} ({len(r)} records)"
                                                                 for n, r in self.answer_sets.items()))
         if getattr(dm, "metric", None) in EXECUTION_METRICS:
             log.info("speedup callback: %s runs the answers isolated by %s", dm.metric, describe_isolation())
-        self._decode({"ar": decoders["ar"]}, self.records[:1], pl_module.device)  # warm-up, untimed
+
+    def _decoders(self, module: L.LightningModule, only_ar: bool) -> dict[str, Decoder]:
+        """AR, the method's decoders and ``extra_decoders``, over the module decoded this time."""
+        decoders = {"ar": DECODERS["ar"](module.model)}
+        if only_ar:
+            return decoders
+        decoders |= getattr(module, "decoders", dict)()
+        clash = sorted(set(decoders) & set(self.extra_decoders))
+        if clash:
+            raise ConfigError(f"callbacks.speedup.extra_decoders.{clash[0]}: the method already offers a decoder "
+                              f"named {clash[0]!r}; name the entry otherwise, with `method: {clash[0]}`")
+        return decoders | build_decoders(module.model, self.extra_decoders)
 
     # ---- measuring --------------------------------------------------------------------------------------------
     def _decode(self, decoders: dict[str, Decoder], records: list[dict], device: torch.device) -> dict[str, Run]:
@@ -205,25 +178,52 @@ class SpeedupCallback(L.Callback):
 
     @torch.no_grad()
     def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                  only_ar: bool = False) -> tuple[dict[str, Run], dict[str, float]]:
-        """Decode the prompts with every decoder (AR only: ``only_ar``) and score every answer set's NLL, the
-        module in eval mode (each submodule's mode restored after)."""
-        self.tokenizer = trainer.datamodule.tokenizer
-        module = self._decoding_module(trainer, pl_module)
-        # the sharded model itself: every rank uses it whole, every forward collective
-        with eval_mode(module), whole_parameters(module) if module is pl_module else nullcontext():
-            self._prepare(trainer, module)
-            decoders = {"ar": self.decoders["ar"]} if only_ar else self.decoders
-            runs = self._decode(decoders, self.records, module.device)
-            nll = {name: answer_nll(module.model, records, module.device) for name, records in self.answer_sets.items()}
-        return runs, nll
+                  only_ar: bool = False) -> tuple[dict[str, Run], dict[str, float], dict[str, float]]:
+        """Decode the prompts with every decoder (AR only: ``only_ar``), score the answers with the task metric and
+        every answer set's NLL, in eval mode (each submodule's mode restored after) and the precision's forward
+        context; each rank its share, gathered. Returns the runs, the NLL per set and the score per decoder."""
+        self._prepare(trainer)
+        rank, world = trainer.global_rank, trainer.world_size
+        with self.copy.decoding(trainer, pl_module) as (module, local), eval_mode(module), \
+                trainer.precision_plugin.forward_context():
+            decoders = self._decoders(module, only_ar)
+            if not self.warmed:     # once per process, untimed; every rank the same prompt
+                self._decode({"ar": decoders["ar"]}, self.records[:1], module.device)
+                self.warmed = True
+            # where every forward is collective every rank runs all of them, and keeps its share
+            mine = {n: range(rank, len(r), world) for n, r in self.answer_sets.items()}
+            todo = mine if local else {n: range(len(r)) for n, r in self.answer_sets.items()}
+            runs = {i: self._decode(decoders, [self.records[i]], module.device) for i in todo[HELDOUT]}
+            nll = {n: dict(zip(todo[n], answer_nll_terms(module.model, [r[i] for i in todo[n]], module.device)))
+                   for n, r in self.answer_sets.items()}
+        runs = {i: runs[i] for i in mine[HELDOUT]}
+        nll = {n: {i: terms[i] for i in mine[n]} for n, terms in nll.items()}
+        return self._gathered(all_gather_object((runs, nll, self._scores(trainer.datamodule, runs, decoders))))
+
+    def _scores(self, dm, runs: dict[int, dict[str, Run]], decoders) -> dict[str, tuple[float, int]]:
+        """Per decoder, the task metric summed over this rank's answers, and their count (no metric: none)."""
+        metric, records = getattr(dm, "metric", None), [self.records[i] for i in runs]
+        if not metric:
+            return {}
+        return {name: (score_answers(metric, [runs[i][name].outputs[0] for i in runs], records, self.tokenizer)
+                       * len(records) if records else 0.0, len(records)) for name in decoders}
+
+    def _gathered(self, parts: list[tuple]) -> tuple[dict[str, Run], dict[str, float], dict[str, float]]:
+        """Every rank's share put together, in prompt and record order: the runs over all prompts, the NLL per set,
+        the task metric's mean per decoder."""
+        runs = {i: run for part, _, _ in parts for i, run in part.items()}
+        terms = {n: {i: t for _, part, _ in parts for i, t in part[n].items()} for n in self.answer_sets}
+        nll = {n: nll_mean([by_record[i] for i in sorted(by_record)]) for n, by_record in terms.items()}
+        scores = {name: sum(p[name][0] for *_, p in parts) / max(1, sum(p[name][1] for *_, p in parts))
+                  for name in parts[0][2]}
+        return concat_runs([runs[i] for i in sorted(runs)]), nll, scores
 
     def measure(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         """Decode, compute the metrics, keep them in ``last_metrics`` and ``history``; logging is the hooks' job."""
         started = time.perf_counter()
-        runs, nll = self._evaluate(trainer, pl_module)
+        runs, nll, scores = self._evaluate(trainer, pl_module)
         self._keep_original(runs["ar"].outputs, nll)
-        metrics = self._speed(runs) | self._quality(runs, trainer.datamodule) | self._drift(nll)
+        metrics = self._speed(runs) | self._quality(runs, scores, trainer.datamodule) | self._drift(nll)
         metrics["time/measure_s"] = time.perf_counter() - started    # the whole measurement: copy, decodes, NLLs
         self.last_metrics = metrics
         self.history.append((trainer.global_step, metrics))
@@ -245,18 +245,15 @@ class SpeedupCallback(L.Callback):
         if self.reference is None:
             self.reference = {"prompt_ids": [r["prompt_ids"] for r in self.records], "outputs": outputs, "nll": nll}
 
-    def _quality(self, runs: dict[str, Run], dm) -> dict[str, float]:
+    def _quality(self, runs: dict[str, Run], scores: dict[str, float], dm) -> dict[str, float]:
         outputs, prompts = runs["ar"].outputs, [r["prompt_ids"] for r in self.records]
         original = {tuple(p): o for p, o in zip(self.reference["prompt_ids"], self.reference["outputs"])}
         pairs = [(o, original[tuple(p)]) for p, o in zip(prompts, outputs) if tuple(p) in original]
         metrics = {f"quality/{key}": value for key, value in
                    compare_answers([o for o, _ in pairs], [r for _, r in pairs]).items() if value is not None}
-        name = getattr(dm, "metric", None)
-        if name:   # AR's answers, and every other decoder's (a lossless one scores what AR scores)
-            for decoder, run in runs.items():
-                key = f"quality/{name}" + ("" if decoder == "ar" else f"/{decoder}")
-                metrics[key] = score_answers(name, run.outputs, self.records, self.tokenizer)
-        return metrics
+        # AR's answers, and every other decoder's (a lossless one scores what AR scores)
+        return metrics | {f"quality/{dm.metric}" + ("" if decoder == "ar" else f"/{decoder}"): score
+                          for decoder, score in scores.items()}
 
     def _drift(self, nll: dict[str, float]) -> dict[str, float]:
         """drift/nll/SET and, for the sets the original was measured on (a checkpoint from before this option
@@ -269,7 +266,7 @@ class SpeedupCallback(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.at_train_start:
             if self.reference is None:  # still take the original outputs and NLLs before the first step
-                runs, nll = self._evaluate(trainer, pl_module, only_ar=True)
+                runs, nll, _ = self._evaluate(trainer, pl_module, only_ar=True)
                 self._keep_original(runs["ar"].outputs, nll)
             return
         metrics = self.measure(trainer, pl_module)
@@ -284,7 +281,7 @@ class SpeedupCallback(L.Callback):
         if self.validations % self.every_n_validations:
             return
         for name, value in self.measure(trainer, pl_module).items():
-            # every rank measured the same prompts: τ and exact are equal, the times are averaged over the ranks
+            # every rank computed the same figures from the gathered shares (the measurement's time: averaged)
             pl_module.log(name, value, sync_dist=True)
 
     # ---- state ------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from lit_spec.methods.optim import build_optimizer, check_optim
 from lit_spec.models import spec_from_dict
 from lit_spec.models.lora import add_lora, merge_lora
 from lit_spec.models.spec import model_shape
-from lit_spec.precision import PrecisionPolicy, precision_policy
+from lit_spec.precision import PrecisionPolicy, fsdp_mixed_precision, precision_policy
 from lit_spec.strategies import fully_shard_model, is_fsdp
 
 if TYPE_CHECKING:
@@ -81,11 +81,12 @@ class MethodModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Build the models (``build_models``); under ``strategy=fsdp`` (Lightning's ``ModelParallelStrategy``) shard
-        what trains (the exported model) with FSDP2 over its data-parallel mesh. A frozen base stays whole on every
-        rank: it has no gradients or optimizer states to shard."""
+        what trains (the exported model) with FSDP2 over its data-parallel mesh, in the precision policy's mixed
+        precision. A frozen base stays whole on every rank: it has no gradients or optimizer states to shard."""
         self.build_models()
         if self._trainer is not None and is_fsdp(self.trainer.strategy):
-            fully_shard_model(getattr(self, self.exported), self.device_mesh["data_parallel"])
+            fully_shard_model(getattr(self, self.exported), self.device_mesh["data_parallel"],
+                              fsdp_mixed_precision(self.policy))
 
     @property
     def policy(self) -> PrecisionPolicy:
