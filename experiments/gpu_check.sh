@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The card's configuration on one real GPU (H100/H200), from the repository root, in <= 8 minutes with the stages
+# The card's configuration on one real GPU (H100/H200), from the repository root, in <= 10 minutes with the stages
 # cached (docs/distributed.md, "Check a GPU machine", says how to carry them to a machine without network):
 # 1. CLLM, Chimera, Hidden Transfer and Jacobi Forcing quickstarts under ZeRO-3 in bf16-mixed (trainer=gpu);
 # 2. CLLM under ZeRO-2, FSDP2 and ZeRO-3 offload;
-# 3. the decoding bench on CUDA (tiny target, fp32 and bf16).
+# 3. frozen-base methods beside a bf16 base, the trained heads in fp32 (bf16-mixed): Chimera under DDP, Hidden
+#    Transfer under FSDP2 (every ZeRO-3 run above exports after training, when Lightning's teardown has moved the
+#    module to the CPU: the export must have run before it);
+# 4. the decoding bench on CUDA (tiny target, fp32 and bf16).
 # One summary line per run (exit code, wall time, steps, τ and speedup before -> after, exact, the speedup callback's
 # seconds per measurement) in $OUT/summary.txt; each run's log beside it. STEPS (default 150) sets the training steps.
 set -u
@@ -19,6 +22,8 @@ runs=(
   "cllm_zero2 +experiment=cllm_quickstart strategy=deepspeed_zero2"
   "cllm_fsdp +experiment=cllm_quickstart strategy=fsdp"
   "cllm_zero3_offload +experiment=cllm_quickstart strategy=deepspeed_zero3_offload"
+  "chimera_ddp_bf16_base +experiment=chimera_quickstart strategy=ddp model.dtype=bfloat16"
+  "hidden_transfer_fsdp_bf16_base +experiment=hidden_transfer_quickstart strategy=fsdp model.dtype=bfloat16"
 )
 for entry in "${runs[@]}"; do
   read -r name overrides <<< "$entry"
@@ -32,7 +37,7 @@ for entry in "${runs[@]}"; do
   python - "$run" "$name" "$rc" "$(( $(date +%s) - start ))" <<'PY' | tee -a "$out/summary.txt"
 import csv, json, pathlib, sys
 run, name, rc, secs = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
-line = f"{name:22s} rc={rc} wall={secs}s"
+line = f"{name:30s} rc={rc} wall={secs}s"
 try:
     m = json.loads((run / "metrics.json").read_text())
     rows = list(csv.DictReader(open(run / "csv" / "metrics.csv")))

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, open_dict
 
-# No network in tests, and W&B never goes online: set before transformers/datasets/wandb read them at import.
+# No network in tests, and W&B never goes online: set before transformers/datasets/wandb read them at import. One torch
+# thread per process: the unit tier runs 2 workers on 2 cores, the other tiers 2-process runs, and micro models' small
+# matmuls slow down many times over when threads outnumber the cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "offline"
@@ -28,11 +31,33 @@ MICRO_RUN = MICRO_MODEL + ["method=ar", "data=stdlib_code", "callbacks=default",
                            "trainer.enable_progress_bar=false", "method.lr=3e-3", "callbacks.throughput.window_size=2"]
 
 
+def selects(config, marker: str) -> bool:
+    """Whether the run's ``-m`` expression selects tests marked ``marker`` (and nothing else)."""
+    from _pytest.mark.expression import Expression     # how pytest itself evaluates -m
+
+    expression = config.option.markexpr
+    return not expression or Expression.compile(expression).evaluate(lambda name, **_: name == marker)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The slow and distributed tiers run without xdist workers: their tests start processes of their own (2-rank
+    runs, sandboxes counted machine-wide), which two workers would run at once on 2 cores."""
+    if (selects(config, "slow") or selects(config, "distributed")) and hasattr(config.option, "numprocesses"):
+        config.option.numprocesses = 0
+
+
 @pytest.fixture(scope="session", autouse=True)
 def stage_cache(tmp_path_factory) -> Path:
-    """Every test builds stages (tiny model, tiny target) into one private cache, never the user's."""
+    """Every test builds stages (tiny model, tiny target) into one private cache, never the user's, and ``datasets``
+    caches what it reads or generates (the stdlib corpus, parsed once a session) in another: in this process and in
+    every process a test starts."""
+    import datasets
+
     cache = tmp_path_factory.mktemp("lit_spec_cache")
     os.environ["LIT_SPEC_CACHE"] = str(cache)
+    os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("hf_datasets"))
+    datasets.config.HF_DATASETS_CACHE = Path(os.environ["HF_DATASETS_CACHE"])
     return cache
 
 
@@ -54,14 +79,6 @@ def micro_config(tmp_path):
     return build
 
 
-@pytest.fixture
-def private_datasets_cache(tmp_path_factory, monkeypatch):
-    """``datasets`` caches what it reads from local files: keep that out of the user's ~/.cache."""
-    import datasets
-
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.getbasetemp() / "hf_datasets")
-
-
 def hold_lock(path: Path, seconds: float) -> subprocess.Popen:
     """Another process holding ``one_writer``'s lock on ``path`` for ``seconds`` (returns once it holds it)."""
     code = (f"import time\nfrom lit_spec.io import one_writer\nwith one_writer({str(path)!r}, 'x'):\n"
@@ -72,17 +89,6 @@ def hold_lock(path: Path, seconds: float) -> subprocess.Popen:
 
 
 # ---- decoding tests -------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny models decode faster on one thread (no intra-op scheduling per small matmul)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def models():
     """One small random model per architecture (tests/random_models.py), shared by a test module."""

@@ -12,7 +12,9 @@ from omegaconf import open_dict
 
 from lit_spec.config import compose_config
 from lit_spec.benchmark import run_benchmark
+from lit_spec.decoding import DecodeStats
 from lit_spec.errors import ConfigError
+from lit_spec.measure import Run, compare, concat_runs
 
 
 def bench_config(tmp_path, target, draft, *overrides):
@@ -127,7 +129,6 @@ def original_overrides(path) -> list[str]:
     return ["model@original=hf", f"original.name_or_path={path}", "original.dtype=float32"]
 
 
-@pytest.mark.usefixtures("one_thread")    # HumanEval's 164 forwards: slow on 2 threads of a busy machine
 def test_bench_reports_drift_from_the_original_model(micro_dirs, tmp_path):
     """model@original=NAME: every answer set's NLL under both models and the original's greedy answers; the target
     against itself has changed by exactly nothing."""
@@ -173,3 +174,20 @@ def test_bench_refuses_an_original_of_another_vocabulary(micro_dirs, tmp_path):
     with pytest.raises(ConfigError, match="bench.drift_data.code='humaneal': no data config of that name"):
         run_benchmark(bench_config(tmp_path, target, None, *original_overrides(target),
                                    "+bench.drift_data.code=humaneal"), tmp_path)
+
+
+def test_compare_gives_speedup_tau_exactness_and_forward_cost_from_the_counts():
+    """``measure.compare`` on hand-made runs (the bench and the speedup callback both report through it), with the
+    figures worked out by hand; and ``concat_runs`` joins runs over groups of prompts (the callback's ranks)."""
+    def run(outputs, tokens, forwards, wall, forward_time):
+        return Run(outputs, DecodeStats(new_tokens=tokens, target_forwards=forwards, row_forwards=forwards,
+                                        wall_time=wall, forward_time=forward_time))
+
+    ar = run([[1, 2, 3], [4, 5, 6]], tokens=6, forwards=6, wall=3.0, forward_time=2.4)      # 2 tok/s, 400 ms/forward
+    fast = run([[1, 2, 3], [4, 5, 9]], tokens=6, forwards=2, wall=1.0, forward_time=0.8)    # 6 tok/s, τ 3
+    m = compare({"ar": ar, "fast": fast})["fast"]
+    assert (m["tokens_per_s"], m["speedup"], m["mean_accepted"], m["exact_match"]) == (6.0, 3.0, 3.0, 0.5)
+    assert m["ms_per_forward"] == pytest.approx(400.0) and m["forward_cost"] == pytest.approx(1.0)
+    assert m["engine_overhead"] == pytest.approx(0.2)
+    halves = concat_runs([{"ar": run([[1, 2, 3]], 3, 3, 1.0, 0.8)}, {"ar": run([[4, 5, 6]], 3, 3, 2.0, 1.6)}])
+    assert halves["ar"].outputs == ar.outputs and halves["ar"].stats.tokens_per_s == ar.stats.tokens_per_s

@@ -18,7 +18,6 @@ from lit_spec.models.chimera import ChimeraDraft, NGramCache, full_context_mask,
 from lit_spec.models.draft_heads import DraftVocab, MedusaHeads
 from lit_spec.models.saved_heads import load_heads, save_heads
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def chimera(model, seed: int = 0, **kwargs) -> ChimeraDraft:
@@ -326,7 +325,7 @@ def test_train_logs_head_accuracy_exports_the_heads_and_resumes(micro_config, tm
     from lit_spec.config import build
     from lit_spec.training import run_training
 
-    common = [f"method={method}", "callbacks=speedup", "callbacks.speedup.num_prompts=2",
+    common = [f"method={method}", "callbacks=speedup", "callbacks.speedup.num_prompts=2", "callbacks.speedup.drift_data=null",
               "callbacks.speedup.max_new_tokens=16", "method.lr=3e-3", "trainer.log_every_n_steps=1",
               "callbacks.model_checkpoint.every_n_train_steps=4"]
     cfg = micro_config(*common, output_dir=tmp_path / "a")

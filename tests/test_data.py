@@ -17,7 +17,6 @@ from lit_spec.data import stdlib_code
 from lit_spec.errors import ConfigError, DataError
 from lit_spec.models import train_bpe_tokenizer
 
-pytestmark = pytest.mark.usefixtures("private_datasets_cache")
 
 VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
                  "detailed, and polite answers to the user's questions.")
@@ -168,6 +167,20 @@ def test_iter_pairs_extracts_docstring_function_pairs(code_root):
     # the nested helper keeps its docstring inside outer's code; its own pair has it removed
     assert "Helper doubling its argument." in by_id["a:outer"]["code"]
     assert by_id["a:outer.<locals>.helper"]["code"] == "def helper(k):\n    d = k * 2\n    return d"
+
+
+def test_the_stdlib_source_parses_once_then_reads_its_pairs_back_until_a_file_changes(code_root, monkeypatch):
+    from lit_spec.data import StdlibCodeSource
+
+    parsed = []
+    parse = stdlib_code.iter_pairs
+    monkeypatch.setattr(stdlib_code, "iter_pairs", lambda *a, **k: parsed.append(1) or parse(*a, **k))
+    ids = lambda dd: sorted(r["id"] for split in dd.values() for r in split)   # noqa: E731
+    first = ids(StdlibCodeSource(root=str(code_root)).load())
+    assert ids(StdlibCodeSource(root=str(code_root)).load()) == first and len(parsed) == 1, "read back, not parsed"
+    (code_root / "pkg" / "b.py").write_text(MODULE_B + '\n\ndef added(x):\n    """A function added later."""\n'
+                                            '    y = x * 3\n    return y\n')
+    assert ids(StdlibCodeSource(root=str(code_root)).load()) == sorted([*first, "pkg.b:added"]) and len(parsed) == 2
 
 
 def test_iter_pairs_split_is_deterministic_seeded_and_proportional(tmp_path):

@@ -14,7 +14,6 @@ from lit_spec.decoding.state import DecodeState
 from lit_spec.errors import ConfigError
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- AR ---------------------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from lit_spec.decoding.jacobi import JacobiDecoder, stationary_tokens
 from lit_spec.errors import ConfigError
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def new_tokens(out, prompt_len: int, row: int = 0, eos=None) -> list[int]:

@@ -18,7 +18,6 @@ from lit_spec.decoding.state import DecodeState
 from lit_spec.errors import ConfigError
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cycle(period: int, first: int = 3):

@@ -13,7 +13,6 @@ from random_models import (ARCHS, check_cache_after_each_commit, greedy_with_mid
 from lit_spec.decoding import DECODERS, generate
 from lit_spec.errors import ConfigError
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPETITIVE = torch.tensor([[1, 40, 41] * 4])   # the mistral random model answers it with long runs of one token
 

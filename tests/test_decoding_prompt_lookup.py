@@ -14,7 +14,6 @@ from lit_spec.decoding import DECODERS, generate
 from lit_spec.decoding.phrases import ngram_continuation
 from lit_spec.errors import ConfigError
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 SETTINGS = [{}, {"num_draft_tokens": 2, "max_ngram": 1}, {"num_draft_tokens": 5, "max_ngram": 4, "min_ngram": 2}]
 

@@ -31,7 +31,6 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor, n: int) -> tuple[float, int]
     return float(((obs - exp) ** 2 / exp).sum()), obs.numel() - 1
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -19,7 +19,6 @@ MEDUSA_LIKE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 
 SHAPES = {"chain3": [1, 1, 1], "topk221": [2, 2, 1], "wide4": [4], "medusa_like": MEDUSA_LIKE}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_tree_spec_structure():

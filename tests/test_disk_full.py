@@ -73,6 +73,7 @@ def check_left_whole(checkpoints: Path) -> list[str]:
     return names
 
 
+@pytest.mark.slow
 @needs_root
 def test_a_full_disk_at_the_first_checkpoint_is_one_line_and_leaves_nothing_truncated(small_disk, checkpoint_bytes):
     run = small_disk(free=checkpoint_bytes // 2 + 200_000)        # the logs fit; a checkpoint does not
@@ -85,6 +86,7 @@ def test_a_full_disk_at_the_first_checkpoint_is_one_line_and_leaves_nothing_trun
     assert not (run / "checkpoints" / "interrupted.ckpt").exists(), "no interrupted checkpoint on a full disk"
 
 
+@pytest.mark.slow
 @needs_root
 def test_a_full_disk_later_names_the_last_whole_checkpoint_and_it_resumes(small_disk, checkpoint_bytes, tmp_path):
     run = small_disk(free=int(checkpoint_bytes * 2.5) + 200_000)  # step 2's checkpoint and last.ckpt fit; step 4's not
@@ -101,6 +103,7 @@ def test_a_full_disk_later_names_the_last_whole_checkpoint_and_it_resumes(small_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
 
+@pytest.mark.slow
 @needs_root
 def test_a_full_disk_while_building_a_stage_is_one_line_and_caches_nothing(small_disk, tmp_path):
     """The tiny model's stage, written by transformers and safetensors (whose error carries the OS message only)."""

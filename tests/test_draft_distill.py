@@ -227,6 +227,7 @@ def test_micro_run_measures_speculative_decoding_of_the_teacher_and_resumes(micr
     speculative decoding drafted by the student (lossless: the same output), the validation logs agreement, the
     export is the student and the student-only checkpoint resumes."""
     common = ["callbacks=speedup", "callbacks.speedup.num_prompts=2", "callbacks.speedup.max_new_tokens=16",
+              "callbacks.speedup.drift_data=null",
               "trainer.log_every_n_steps=1", "callbacks.model_checkpoint.every_n_train_steps=4"]
     cfg = distill_config(micro_config, *common, output_dir=tmp_path / "a")
     metrics = run_training(cfg)

@@ -6,6 +6,7 @@ transformers' greedy ``generate``."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import gguf
@@ -121,12 +122,18 @@ def test_a_missing_gguf_file_is_one_clear_error(micro_gguf, tmp_path):
 
 # ---- the real model --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct, de-quantised once into this module's cache (fp32), and its tokenizer."""
-    cfg = compose_config(["model=smollm2_135m_instruct", f"paths.cache_dir={tmp_path_factory.mktemp('cache')}"])
+def smollm2():
+    """SmolLM2-135M-Instruct and its tokenizer, de-quantised (fp32) once per machine into a cache of the tests' own
+    (``LIT_SPEC_TEST_CACHE``, default ~/.cache/lit_spec_tests; the stage is keyed by the GGUF's content), run on every
+    core: the slow tier has the machine to itself."""
+    cache = os.environ.get("LIT_SPEC_TEST_CACHE", Path.home() / ".cache" / "lit_spec_tests")
+    cfg = compose_config(["model=smollm2_135m_instruct", f"paths.cache_dir={cache}"])
     ensure_stages(cfg.model)
     spec = build(cfg.model)
-    return spec.load_model().eval(), spec.load_tokenizer()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count())
+    yield spec.load_model().eval(), spec.load_tokenizer()
+    torch.set_num_threads(threads)
 
 
 def humaneval_prompts(tok, names: list[str]) -> list[torch.Tensor]:
@@ -135,6 +142,7 @@ def humaneval_prompts(tok, names: list[str]) -> list[torch.Tensor]:
                                     return_tensors="pt", return_dict=True)["input_ids"] for name in names]
 
 
+@pytest.mark.slow
 def test_smollm2_decoders_equal_transformers_greedy_generate(smollm2):
     """Every greedy decoder, on two HumanEval prompts through the chat template, in fp32: token-identical to
     transformers' greedy generate. The drafting methods get a draft that shares the vocabulary and agrees with the

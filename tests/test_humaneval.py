@@ -91,7 +91,7 @@ def test_loops_writes_exits_and_memory_do_not_pass(problems, tmp_path):
         "no code": "Sorry, I cannot write that.",
     }
     results = run_tests([fenced(a) if a[0] != "S" else a for a in answers.values()], [p] * len(answers),
-                        timeout=3, memory_mb=512, workers=2)
+                        timeout=2, memory_mb=512, workers=2)
     assert [r.reason for r in results] == list(answers) and not any(r.passed for r in results)
     assert not target.exists()
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -52,12 +53,14 @@ def test_the_merged_state_is_peft_merge_and_decodes_as_the_adapted_model(arch):
     assert merged.keys() == original.state_dict().keys()
 
     reference = copy.deepcopy(model)
-    for layer in reference.modules():       # peft's own merge, in place
-        if hasattr(layer, "merge") and hasattr(layer, "lora_A"):
-            layer.merge()
-    for name, layer in reference.named_modules():
-        if hasattr(layer, "base_layer") and hasattr(layer, "lora_A"):
-            torch.testing.assert_close(merged[f"{name}.weight"], layer.base_layer.weight, rtol=1e-6, atol=1e-6)
+    adapted_layers = {name: layer for name, layer in reference.named_modules() if isinstance(layer, LoraLayer)}
+    # every linear layer but the LM head: q, k, v, o, gate, up and down of each decoder layer
+    assert len(adapted_layers) == 7 * original.config.num_hidden_layers
+    for name, layer in adapted_layers.items():       # peft's own merge, in place
+        layer.merge()
+        assert layer.merged
+        torch.testing.assert_close(merged[f"{name}.weight"], layer.base_layer.weight, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(merged[f"{name}.weight"], original.state_dict()[f"{name}.weight"]), "B·A merged in"
 
     plain = copy.deepcopy(original)
     plain.load_state_dict(merged)

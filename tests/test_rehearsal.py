@@ -3,7 +3,8 @@ strategy, precision, gradient accumulation, validation interval, speedup callbac
 offline), method settings and model dtype. Only what cannot run here is swapped: the model (a micro Llama in the
 experiment's dtype; a draft student and transfer layers sized to it), the data (stdlib-code, or written trajectories
 of its block size), the accelerator (cpu), the sizes (steps, records, prompts decoded), and the strategy's teardown
-for one that takes the model away as a GPU's does. An experiment added under conf/experiment/ with a GPU trainer is
+for one that takes the model away as a GPU's does. Experiments that come out the same after the swaps but for their
+names and W&B labels (the AR baselines of four datasets, whose data is what is swapped) are rehearsed by one run. An experiment added under conf/experiment/ with a GPU trainer is
 rehearsed here without editing this file.
 """
 
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import pytest
 from hydra.utils import get_class
+from omegaconf import OmegaConf
 
-from conftest import MICRO_MODEL
+from conftest import MICRO_MODEL, selects
 from lit_spec.config import compose_config, config_dir
 from lit_spec.data.trajectory_data import JacobiTrajectories
 from test_cllm import write_trajectories
@@ -36,6 +38,21 @@ def gpu_experiments() -> list[str]:
     return [name for name in experiments if _composed(name) is not None]
 
 
+def rehearsed_alike() -> list[list[str]]:
+    """The GPU experiments grouped by the run they rehearse as: their swapped configs, less their names and labels."""
+    groups: dict[str, list[str]] = {}
+    for name in gpu_experiments():
+        cfg = compose_config([f"+experiment={name}", *swaps(name, Path("traj"))])
+        run = OmegaConf.to_container(cfg)
+        for key in ("task_name", "paths"):
+            run.pop(key)
+        for logger in (run.get("logger") or {}).values():
+            for label in ("group", "tags", "name"):
+                (logger or {}).pop(label, None)
+        groups.setdefault(repr(run), []).append(name)
+    return list(groups.values())
+
+
 def _composed(name: str):
     """The experiment's train config when it is a training run on GPUs (a benchmark experiment does not compose
     with train.yaml; a CPU quickstart is run by the other tests)."""
@@ -46,9 +63,10 @@ def _composed(name: str):
     return cfg if cfg.trainer.get("accelerator") in ("gpu", "cuda") else None
 
 
-def swaps(name: str, tmp_path: Path) -> list[str]:
-    """The overrides that bring experiment ``name`` to this machine: model, data, accelerator and sizes only. The micro
-    model keeps the dtype the experiment gives its real one (a frozen bf16 base beside fp32 heads, say)."""
+def swaps(name: str, traj: Path) -> list[str]:
+    """The overrides that bring experiment ``name`` to this machine: model, data (trajectories: those ``traj`` holds),
+    accelerator and sizes only. The micro model keeps the dtype the experiment gives its real one (a frozen bf16 base
+    beside fp32 heads, say)."""
     cfg = _composed(name)
     run = [*MICRO_MODEL, f"model.dtype={cfg.model.dtype}", "trainer.accelerator=cpu", "trainer.devices=2",
            "trainer.max_steps=4", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false"]
@@ -56,8 +74,7 @@ def swaps(name: str, tmp_path: Path) -> list[str]:
         run += ["callbacks.speedup.num_prompts=2", "callbacks.speedup.max_new_tokens=8"]
     if issubclass(get_class(cfg.data._target_), JacobiTrajectories):
         # CLLM and Jacobi Forcing: the micro model's trajectories, in blocks of 3 (method.n_tokens must fit them)
-        traj = write_trajectories(tmp_path / "traj", train=8, validation=4)   # ids < 512
-        run += [f"data.path={traj}", "method.n_tokens=3", "data.max_context_tokens=null"]
+        run += [f"data.path={traj}", "method.n_tokens=3", "data.max_context_tokens=null", "data.collect=null"]
         if "noise_window" in cfg.data:
             run.append("data.noise_window=2")
     else:
@@ -75,10 +92,17 @@ def swaps(name: str, tmp_path: Path) -> list[str]:
     return run
 
 
-@pytest.mark.parametrize("name", gpu_experiments())
-def test_paper_experiment_runs_as_on_gpus(name, tmp_path):
-    run_dir = tmp_path / "run"
-    metrics = train_cli(run_dir, f"+experiment={name}", *swaps(name, tmp_path))
+def pytest_generate_tests(metafunc):
+    """Composing every experiment takes seconds: only where this tier runs (not to collect the others)."""
+    if "alike" in metafunc.fixturenames:
+        metafunc.parametrize("alike", rehearsed_alike() if selects(metafunc.config, "distributed") else [],
+                             ids="+".join)
+
+
+def test_paper_experiment_runs_as_on_gpus(alike, tmp_path):
+    name, run_dir = alike[0], tmp_path / "run"
+    write_trajectories(tmp_path / "traj", train=8, validation=4)     # ids < 512: read where the data is swapped for them
+    metrics = train_cli(run_dir, f"+experiment={name}", *swaps(name, tmp_path / "traj"))
     assert metrics["global_step"] >= 1
     cfg = _composed(name)
     if "speedup" in cfg.callbacks:

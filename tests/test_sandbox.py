@@ -120,6 +120,7 @@ def _nobody_processes() -> int:
     return len(out.split())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", KERNEL_LEVELS)
 def test_bombs_end_with_the_program_and_leave_nothing_running(level):
     before = _nobody_processes()
@@ -148,6 +149,7 @@ def _honest(chosen: list[dict], level: str | None) -> tuple[int, int]:
             sum(r.passed for r in run_tests(wrong, chosen, isolation=level)))
 
 
+@pytest.mark.slow
 def test_every_canonical_solution_passes_and_every_wrong_answer_fails_at_the_chosen_level(problems):  # noqa: F811
     assert _honest(problems, None) == (len(problems), 0), execution.describe_isolation()
 
@@ -215,6 +217,7 @@ def as_an_ordinary_user(caller: dict, namespaces: bool) -> tuple[dict, str]:
     return {**report, "through": breached(made, report["passed"])}, done.stderr
 
 
+@pytest.mark.slow
 def test_an_ordinary_user_without_bubblewrap_gets_namespaces_and_nothing_reaches_outside(users_caller):
     report, _ = as_an_ordinary_user(users_caller, namespaces=True)
     assert report["level"] == "namespaces"
@@ -222,6 +225,7 @@ def test_an_ordinary_user_without_bubblewrap_gets_namespaces_and_nothing_reaches
     assert users_caller["secret"].read_text() == "the caller's secret"
 
 
+@pytest.mark.slow
 def test_an_ordinary_user_without_namespaces_gets_the_guard_and_a_warning(users_caller):
     """Where the kernel allows no user namespace: the guard, said so; the attacks get through (they are real)."""
     report, stderr = as_an_ordinary_user(users_caller, namespaces=False)
@@ -230,6 +234,7 @@ def test_an_ordinary_user_without_namespaces_gets_the_guard_and_a_warning(users_
     assert "without isolation" in stderr and "apt-get install bubblewrap" in stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", KERNEL_LEVELS)
 def test_a_fork_bomb_does_not_fail_the_answers_run_beside_it(level, problems):  # noqa: F811
     """The process limit is the uid's, shared by the programs running side by side: while a bomb holds it, the

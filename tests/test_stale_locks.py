@@ -25,7 +25,7 @@ HOLD = ("import pathlib, sys, time; from lit_spec.strategies import holding_bato
 
 
 @pytest.fixture
-def build() -> Path:
+def op_build() -> Path:
     """The shared-memory op's build directory, the op built (a few seconds, once; then cached on disk), no baton."""
     load_ops(["ShareMemCommBuilder"])
     (op_dir,) = Path(get_default_build_root()).glob("*/deepspeed_shm_comm")
@@ -52,7 +52,9 @@ def still_running(proc: subprocess.Popen, seconds: float = 5) -> bool:
         return True
 
 
-def test_a_build_lock_left_by_a_killed_process_of_ours_is_removed_not_waited_on(build, caplog):
+@pytest.mark.slow
+def test_a_build_lock_left_by_a_killed_process_of_ours_is_removed_not_waited_on(op_build, caplog):
+    build = op_build
     holder = started(HOLD, build)
     holder.send_signal(signal.SIGKILL)
     holder.wait()
@@ -68,8 +70,9 @@ def test_a_build_lock_left_by_a_killed_process_of_ours_is_removed_not_waited_on(
 
 @pytest.mark.parametrize("record, holder", [("node-b 4242", "pid 4242 on node-b"),
                                             (None, "no lit_spec process (no holder record)")])
-def test_a_build_lock_another_node_may_hold_is_left_with_a_warning(build, caplog, record, holder):
+def test_a_build_lock_another_node_may_hold_is_left_with_a_warning(tmp_path, caplog, record, holder):
     """Another host's record, or none (another program's build): it may be building now, under a shared home."""
+    build = tmp_path
     (build / "lock").touch()
     if record:
         (build / HOLDER).write_text(record)

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lit_spec.precision import fsdp_mixed_precision, precision_policy
-from lit_spec.strategies import FSDPStrategy, fully_shard_model, whole_parameters
+from lit_spec.strategies import FSDPStrategy, fully_shard_model, whole_parameters, whole_weights
 from random_models import random_model
 
 
@@ -64,3 +64,15 @@ def test_whole_parameters_leaves_every_unit_as_it_found_it(mesh):
         assert not isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)
     assert isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)
     assert reshards_after_forward(model) == before
+
+
+def test_whole_weights_after_a_forward_are_the_state_dicts_own(mesh):
+    """After a forward FSDP2 leaves the root whole, its parameters plain tensors; ``whole_weights`` (what the export
+    takes) reshards first, so it yields the very parameters the state dict holds, whole."""
+    full = random_model("llama").state_dict()
+    model = sharded("32-true", mesh)
+    model(torch.tensor([[1, 2, 3]]))
+    taken = {name: (param, tensor.clone()) for name, param, tensor in whole_weights(model)}
+    state = model.state_dict(keep_vars=True)
+    assert taken.keys() == state.keys() == full.keys()
+    assert all(taken[k][0] is state[k] and torch.equal(taken[k][1], full[k]) for k in state)

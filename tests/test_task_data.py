@@ -16,7 +16,6 @@ from lit_spec.errors import ConfigError, DataError
 from lit_spec.models import train_bpe_tokenizer
 from test_data import build_datamodule, decoded, gsm8k_rows, mbpp_rows, setup_datamodule, wmt16_rows, write_rows
 
-pytestmark = pytest.mark.usefixtures("private_datasets_cache")
 
 # a tokenizer chat template of the [INST] kind (Llama-2-chat's shape): the experiments of chat models set chat=true
 INST_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "

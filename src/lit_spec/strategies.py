@@ -295,14 +295,24 @@ def full_precision(param: torch.nn.Parameter) -> torch.Tensor | None:
     return safe_get_full_fp32_param(param)
 
 
-def whole_weights(module: torch.nn.Module, masters: bool = False, only_trained: bool = False):
-    """Yields ``(name, parameter, whole tensor)`` for every parameter of ``module``, one submodule's at a time, each
-    whole only until the next is yielded (collective: every rank iterates to the end). ``masters``: DeepSpeed's fp32
-    master where it keeps one, else the gathered weight (what an export takes); ``only_trained``: the parameters that
-    require grad. The export and the speedup callback's decoding copy both take their weights from here."""
+def resharded(module: torch.nn.Module) -> None:
+    """Every FSDP2 unit of ``module`` back to its shards: FSDP leaves the root unit whole after a forward with no
+    backward (a validation's), its parameters then plain tensors rather than the DTensors its state dict holds."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
+def whole_weights(module: torch.nn.Module, masters: bool = False):
+    """Yields ``(name, parameter, whole tensor)`` for every parameter of ``module`` (its FSDP2 units ``resharded``
+    first), one submodule's at a time, each whole only until the next is yielded (collective: every rank iterates to
+    the end). ``masters``: DeepSpeed's fp32 master where it keeps one, else the gathered weight (what an export
+    takes). The export and the speedup callback's decoding copy both take their weights from here."""
+    resharded(module)
     for prefix, sub in module.named_modules():
-        own = [(f"{prefix}.{n}" if prefix else n, p) for n, p in sub.named_parameters(recurse=False)
-               if p.requires_grad or not only_trained]
+        own = [(f"{prefix}.{n}" if prefix else n, p) for n, p in sub.named_parameters(recurse=False)]
         fp32 = [full_precision(p) if masters else None for _, p in own]
         with gathered([p for (_, p), m in zip(own, fp32) if m is None]) as whole:
             rest = iter(whole)

@@ -21,7 +21,7 @@ import torch
 
 from lit_spec.callbacks.speedup import SpeedupCallback
 from lit_spec.io import write_json
-from lit_spec.strategies import local_tensor, whole_numel
+from lit_spec.strategies import local_tensor, resharded, whole_numel
 
 MB = 2**20
 
@@ -68,11 +68,7 @@ class MemoryMonitor(L.Callback):
         self.step_times.append(time.perf_counter() - self._started)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        for unit in pl_module.modules():     # what is held between steps: FSDP2 leaves its root unit whole after a
-            if isinstance(unit, FSDPModule):  # forward with no backward (the last validation's)
-                unit.reshard()
+        resharded(pl_module)      # what is held between steps, not the root unit the last validation left whole
         params = list(pl_module.parameters())
         held = [optimizer_held(o, params) for o in trainer.optimizers]
         report = {

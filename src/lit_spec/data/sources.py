@@ -8,7 +8,6 @@ that one split and leaves the others empty.
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import Callable, Mapping
@@ -174,15 +173,18 @@ class StdlibCodeSource:
         return f"stdlib-code ({self.root or stdlib_code.stdlib_dir()})"
 
     def load(self) -> datasets.DatasetDict:
-        rows = _stdlib_rows(self.root, self.seed, self.val_fraction, self.test_fraction,
-                            tuple(sorted(self.filters.items())))
-        return datasets.DatasetDict({
-            split: datasets.Dataset.from_list([r for r in rows if r["split"] == split]) for split in SPLITS})
+        """Parsing the whole standard library takes seconds; ``datasets`` caches the pairs (keyed by the settings and
+        the files' ``fingerprint``), so a run, and each rank of one, reads them back instead."""
+        pairs = datasets.Dataset.from_generator(_stdlib_pairs, gen_kwargs={
+            "root": self.root, "seed": self.seed, "val_fraction": self.val_fraction,
+            "test_fraction": self.test_fraction, "filters": self.filters,
+            "fingerprint": stdlib_code.fingerprint(self.root)})
+        return datasets.DatasetDict({split: pairs.filter(lambda row, s=split: row["split"] == s) for split in SPLITS})
 
 
-@functools.lru_cache(maxsize=4)
-def _stdlib_rows(root, seed, val_fraction, test_fraction, filters) -> tuple[dict, ...]:
-    return tuple(stdlib_code.iter_pairs(root, seed, val_fraction, test_fraction, **dict(filters)))
+def _stdlib_pairs(root, seed, val_fraction, test_fraction, filters, fingerprint):
+    """``stdlib_code.iter_pairs`` for ``datasets``' generator cache (``fingerprint`` is only part of its key)."""
+    yield from stdlib_code.iter_pairs(root, seed, val_fraction, test_fraction, **filters)
 
 
 def sharegpt_first_turn(record: dict) -> dict | None:

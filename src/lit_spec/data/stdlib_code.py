@@ -74,13 +74,27 @@ def function_pair(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef
     return doc, code
 
 
+def source_files(root: Path) -> list[Path]:
+    """The corpus's files under ``root``, sorted (tests, demos and vendored code left out)."""
+    return sorted(p for p in root.rglob("*.py") if not SKIP_PARTS.intersection(p.relative_to(root).parts))
+
+
+def fingerprint(root: Path | None = None) -> str:
+    """A hash of every corpus file's path, size and modification time: what was parsed, for a cache of the pairs."""
+    root = Path(root) if root is not None else stdlib_dir()
+    digest = hashlib.sha256(str(root).encode())
+    for path in source_files(root):
+        stat = path.stat()
+        digest.update(f"{path.relative_to(root)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
 def iter_pairs(root: Path | None = None, seed: int = 0, val_fraction: float = 0.05, test_fraction: float = 0.05,
                min_doc_chars: int = 10, max_doc_chars: int = 1000, max_code_lines: int = 60,
                min_code_lines: int = 3) -> Iterator[dict]:
     """Yield {id, docstring, code, split} for each kept function, in a fixed (sorted) order."""
     root = Path(root) if root is not None else stdlib_dir()
-    files = sorted(p for p in root.rglob("*.py") if not SKIP_PARTS.intersection(p.relative_to(root).parts))
-    for path in files:
+    for path in source_files(root):
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
