@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from torch.utils.cpp_extension import get_default_build_root
+from torch.utils.cpp_extension import _get_build_directory
 
 from lit_spec.strategies import HOLDER, clear_stale_baton, load_ops
 
@@ -28,7 +28,7 @@ HOLD = ("import pathlib, sys, time; from lit_spec.strategies import holding_bato
 def op_build() -> Path:
     """The shared-memory op's build directory, the op built (a few seconds, once; then cached on disk), no baton."""
     load_ops(["ShareMemCommBuilder"])
-    (op_dir,) = Path(get_default_build_root()).glob("*/deepspeed_shm_comm")
+    op_dir = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))   # where DeepSpeed builds it too
     yield op_dir
     for name in ("lock", HOLDER):
         (op_dir / name).unlink(missing_ok=True)

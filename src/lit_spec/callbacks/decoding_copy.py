@@ -129,14 +129,9 @@ class DecodingCopy:
             with whole_parameters(*reads):
                 yield module, False
             return
-        clone = self.build(module)
+        clone = self.build(module)     # freed with the measurement's last reference to it (its decoders)
         self.peak_bytes = max(self.peak_bytes, self.bytes(module))
-        try:
-            yield clone, True
-        finally:
-            del clone
-            if module.device.type == "cuda":
-                torch.cuda.empty_cache()
+        yield clone, True
 
     def _say(self, take: bool) -> None:
         if take != self._said:

@@ -42,10 +42,10 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lit_spec.callbacks.decoding_copy import DecodingCopy
 from lit_spec.data.execution import describe_isolation
 from lit_spec.data.metrics import EXECUTION_METRICS, score_answers
 from lit_spec.decoding import DECODERS, Decoder
-from lit_spec.callbacks.decoding_copy import DecodingCopy
 from lit_spec.drift import HELDOUT, answer_nll_terms, check_drift_data, compare_answers, drift_records, nll_mean
 from lit_spec.errors import ConfigError
 from lit_spec.measure import EXTRAS, Run, build_decoders, compare, concat_runs, decode_prompts, eval_mode
