@@ -18,7 +18,7 @@ from lit_spec.config import build
 from lit_spec.data import IGNORE_INDEX, TrajectoryDataModule
 from lit_spec.data.trajectories import read_meta, write_meta, write_part
 from lit_spec.stages import ensure_stages
-from lit_spec.data.trajectory_data import EpochSampler, consistency_item, student_pool
+from lit_spec.data.trajectory_data import EpochSampler, ar_item, consistency_item, student_pool
 from lit_spec.decoding import generate
 from lit_spec.errors import ConfigError, DataError
 from lit_spec.methods import CLLMModule
@@ -31,15 +31,15 @@ def _kl(p: list[float], q: list[float]) -> float:
     return sum(a * math.log(a / b) for a, b in zip(p, q) if a > 0)
 
 
-def _manual(student, teacher, mask, kind, beta=0.5) -> float:
-    """The module doc's formulas with plain floats: per-row sums over the masked positions, mean over used rows."""
-    sums = []
+def _manual(student, teacher, mask, kind, beta=0.5, reduction="sum") -> float:
+    """The module doc's formulas with plain floats: per-row sums over the masked positions averaged over the rows (a
+    row with none: 0), or the mean over every masked position."""
+    sums, count = [], 0
     for b in range(student.size(0)):
-        if not mask[b].any():
-            continue
         total = 0.0
         for t in range(student.size(1)):
             if mask[b, t]:
+                count += 1
                 q, p = student[b, t].softmax(-1).tolist(), teacher[b, t].softmax(-1).tolist()
                 if kind == "forward_kl":
                     total += _kl(p, q)
@@ -49,7 +49,7 @@ def _manual(student, teacher, mask, kind, beta=0.5) -> float:
                     m = [beta * a + (1 - beta) * c for a, c in zip(p, q)]
                     total += beta * _kl(p, m) + (1 - beta) * _kl(q, m)
         sums.append(total)
-    return sum(sums) / len(sums)
+    return sum(sums) / (len(sums) if reduction == "sum" else count)
 
 
 @pytest.fixture
@@ -60,11 +60,15 @@ def logits():
     return student, teacher, mask
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("kind, beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.5), ("jsd", 0.2)])
-def test_distances_match_hand_formulas(logits, kind, beta):
+def test_distances_match_hand_formulas(logits, kind, beta, reduction):
     student, teacher, mask = logits
-    got = distance(student, teacher, mask, kind, beta)
-    assert got.item() == pytest.approx(_manual(student, teacher, mask, kind, beta), rel=1e-5)
+    got = distance(student, teacher, mask, kind, beta, reduction)
+    assert got.item() == pytest.approx(_manual(student, teacher, mask, kind, beta, reduction), rel=1e-5)
+    # rows of 2, 4 and 0 positions: the sum's mean over 3 rows and the mean over 6 positions differ
+    assert _manual(student, teacher, mask, kind, beta, "sum") != pytest.approx(
+        _manual(student, teacher, mask, kind, beta, "mean"), rel=1e-3)
 
 
 def test_direction_symmetry_and_masking(logits):
@@ -138,13 +142,15 @@ def test_items_for_a_known_state():
     assert item["student"] == [5, 6, 7, 200, 101, 102]
     assert item["teacher"] == [5, 6, 7, 200, 201, 202]
     assert item["local_teacher"] == [5, 6, 7, 200, 201, 102]
-    assert item["mask"] == (2, 5)                   # logits at 2, 3, 4 predict the block's tokens at 3, 4, 5
+    # logits at 2, 3, 4 predict the block's tokens at 3, 4, 5; from its first wrong one (4) on: 3, 4
+    assert item["mask"] == (3, 5) and item["prompt"] == 3
+    assert consistency_item(record, 0, 0)["mask"] == (2, 5)       # [100, 101, 102]: wrong from its first token
 
     item = consistency_item(record, 1, 0)           # context: the prompt + the first block's fixed point
     assert item["student"] == item["teacher"] == item["local_teacher"] == [5, 6, 7, 200, 201, 202, 300, 301]
-    assert item["mask"] == (5, 7)
+    assert item["mask"] == (7, 7) and item["prompt"] == 3           # at its fixed point: nothing to compare
     item = consistency_item(record, 1, 0, max_context_tokens=2)
-    assert item["student"] == [201, 202, 300, 301] and item["mask"] == (1, 3)
+    assert item["student"] == [201, 202, 300, 301] and item["prompt"] == 0
 
 
 def test_batches_from_a_trajectory_directory(tmp_path):
@@ -163,14 +169,18 @@ def test_batches_from_a_trajectory_directory(tmp_path):
             student, teacher = b["input_ids"][i][real].tolist(), b["teacher_ids"][i][real].tolist()
             local = b["local_teacher_ids"][i][real].tolist()
             rec = next(r for r in dm.records["train"] if student[: 3] == r["prompt_ids"])
-            positions = b["consistency_mask"][i].nonzero()[:, 0].tolist()
-            start, size = positions[0], len(positions)
-            assert positions == list(range(start, start + size)) and not b["consistency_mask"][i][~real].any()
-            assert len(student) == start + 1 + size == len(teacher) == len(local)
-            context, block = student[: start + 1], teacher[start + 1:]
-            assert context == (rec["prompt_ids"] + rec["answer_ids"])[: start + 1]
-            blk = next(k for k, x in enumerate(rec["blocks"]) if x["states"][-1] == block)
-            assert (student[start + 1:], local[start + 1:]) in student_pool(rec["blocks"][blk])
+            assert len(student) == len(teacher) == len(local)
+            whole = rec["prompt_ids"] + rec["answer_ids"]
+            blk = next(k for k, x in enumerate(rec["blocks"]) if teacher == whole[: len(teacher) - len(
+                x["states"][-1])] + x["states"][-1])
+            fixed = rec["blocks"][blk]["states"][-1]
+            c = len(teacher) - len(fixed)
+            assert (student[c:], local[c:]) in student_pool(rec["blocks"][blk])
+            # compared: the predictions of the block's tokens from the student's first wrong one on
+            first_wrong = next((t for t in range(len(fixed)) if student[c + t] != fixed[t]), len(fixed))
+            assert b["consistency_mask"][i].nonzero()[:, 0].tolist() == list(range(c - 1 + first_wrong,
+                                                                                   c - 1 + len(fixed)))
+            assert b["prompt_mask"][i].nonzero()[:, 0].tolist() == [0, 1, 2]
             seen.add((rec["id"], blk))
             # the AR sequence: prompt + generated answer, prompt masked
             ar = b["ar_input_ids"][i][b["ar_attention_mask"][i].bool()].tolist()
@@ -223,10 +233,67 @@ def test_validation_split_and_errors(tmp_path):
 
 
 # ---- the method ---------------------------------------------------------------------------------------------------
+PAPER = {"consistency_reduction": "sum", "ar_sequence": "answer", "ar_prompt": False, "label_smoothing": 0.0}
+
+
+def _hand_losses(model, items: list[dict], record: dict, compared: list[range], paper: bool):
+    """CLLM's two terms written out per item and position from unbatched forwards (the teacher under no_grad): the
+    authors' code (cllm_trainer_global.py) or the paper's eq. 4 and 6. ``compared``: each item's positions. D =
+    forward KL (the code's soft cross-entropy less the teacher's entropy: the same gradient)."""
+    kls, ce, eps = [], [], 0.0 if paper else 0.1
+    for it, positions in zip(items, compared):
+        student = model(torch.tensor([it["student"]])).logits[0]
+        with torch.no_grad():
+            teacher = model(torch.tensor([it["teacher"]])).logits[0]
+        kls.append([(teacher[t].softmax(-1) * (teacher[t].log_softmax(-1) - student[t].log_softmax(-1))).sum()
+                    for t in positions])
+        # AR: the code's c + y* with every pair, or eq. 6's prompt + l with the answer's pairs only
+        seq = record["prompt_ids"] + record["answer_ids"] if paper else it["teacher"]
+        logits = model(torch.tensor([seq])).logits[0]
+        for t in range(len(record["prompt_ids"]) if paper else 1, len(seq)):
+            log_q = logits[t - 1].log_softmax(-1)
+            ce.append((1 - eps) * -log_q[seq[t]] + eps * -log_q.mean())
+    flat = [k for row in kls for k in row]
+    consistency = sum(sum(row) for row in kls) / len(kls) if paper else sum(flat) / len(flat)
+    return consistency, sum(ce) / len(ce)
+
+
+@pytest.mark.parametrize("paper", [False, True], ids=["authors_code", "paper"])
+def test_the_losses_by_hand_as_the_authors_code_and_the_paper_weigh_them(paper):
+    """Three items (a block wrong from its first token, one wrong from its second, one at its fixed point) collated as
+    training collates them: both terms equal the formulas written out by hand, and so do the gradients (the authors'
+    setting takes the teacher from the AR term's own forward; the hand version runs it apart)."""
+    from random_models import random_model
+
+    record = _record(0)
+    items = [consistency_item(record, 0, 0), consistency_item(record, 0, 1), consistency_item(record, 1, 0)]
+    batch = TrajectoryDataModule(path="unused").collate([{**it, "ar": ar_item(record)} for it in items])
+    module = CLLMModule(SimpleNamespace(to_dict=dict), n_tokens=3, **(PAPER if paper else {}))
+    module.model = random_model(vocab=512).train()             # the record's ids run to 301
+    consistency, ar = module._losses(batch)
+    (consistency + 10 * ar).backward()
+    got = {k: p.grad.clone() for k, p in module.model.named_parameters()}
+
+    module.model.zero_grad()
+    # the prompt [5, 6, 7] and blocks [100, 101, 102] (wrong from its 1st token), [200, 101, 102] (from its 2nd) of
+    # y* = [200, 201, 202], then [300, 301] at its fixed point: eq. 4 sums each block's n positions (those before
+    # the first wrong token compare equal contexts); the code compares from the first wrong token on
+    compared = [range(2, 5), range(2, 5), range(5, 7)] if paper else [range(2, 5), range(3, 5), range(0)]
+    hand = _hand_losses(module.model, items, record, compared, paper)
+    assert (consistency.item(), ar.item()) == pytest.approx([h.item() for h in hand], rel=1e-5)
+    (hand[0] + 10 * hand[1]).backward()
+    for name, param in module.model.named_parameters():
+        assert torch.allclose(got[name], param.grad, rtol=1e-4, atol=1e-6), name
+
+
 @pytest.mark.parametrize("kwargs, match", [({"distance": "l1"}, "distance"), ({"consistency": "both"}, "consistency"),
                                            ({"ar_weight": -1.0}, "ar_weight"), ({"jsd_beta": 0.0}, "jsd_beta"),
                                            ({"n_tokens": 0}, "n_tokens"), ({"ar_target": "x"}, "ar_target"),
-                                           ({"ar_teacher": "x"}, "ar_teacher")])
+                                           ({"ar_teacher": "x"}, "ar_teacher"),
+                                           ({"consistency_reduction": "max"}, r"consistency_reduction='max'.*paper"),
+                                           ({"ar_sequence": "x"}, "ar_sequence"), ({"ar_prompt": "yes"}, "ar_prompt"),
+                                           ({"label_smoothing": 1.0}, "label_smoothing"),
+                                           ({"ar_target": "dataset"}, "set method.ar_sequence=answer")])
 def test_bad_hparams_are_config_errors(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         CLLMModule(None, **kwargs)
@@ -239,6 +306,7 @@ def test_losses_pick_the_teacher_and_follow_eq_7():
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
              "teacher_ids": torch.tensor([[3, 4, 5, 20, 21, 22]]), "local_teacher_ids": ids.clone(),
              "consistency_mask": torch.tensor([[False, False, True, True, True, False]]),
+             "prompt_mask": torch.tensor([[True] * 3 + [False] * 3]),
              "ar_input_ids": torch.tensor([[3, 4, 5, 20, 21, 22]]), "ar_attention_mask": torch.ones_like(ids),
              "ar_labels": torch.tensor([[IGNORE_INDEX] * 3 + [20, 21, 22]])}
     found = {}
@@ -268,12 +336,12 @@ def test_the_ar_term_fits_the_labels_or_the_original_distribution():
              "local_teacher_ids": ids.clone(), "ar_input_ids": ids.clone(), "ar_attention_mask": torch.ones_like(ids),
              "consistency_mask": torch.tensor([[False, False, True, True, True, False]]),
              "ar_labels": torch.tensor([[IGNORE_INDEX] * 3 + [20, 21, 22]])}
-    labels = CLLMModule(SimpleNamespace(to_dict=dict), ar_teacher="labels")
+    labels = CLLMModule(SimpleNamespace(to_dict=dict), ar_teacher="labels", **PAPER)
     labels.model = random_model()
     expected = labels.model(input_ids=ids, labels=batch["ar_labels"]).loss
     assert labels._losses(batch)[1].item() == pytest.approx(expected.item(), rel=1e-6)
 
-    module = CLLMModule(SimpleNamespace(to_dict=dict), ar_teacher="original")
+    module = CLLMModule(SimpleNamespace(to_dict=dict), ar_teacher="original", **PAPER)
     assert module.frozen == ("original",) and labels.frozen == ()
     module.model, module.original = random_model(), random_model().requires_grad_(False)
     assert module._losses(batch)[1].item() == pytest.approx(0.0, abs=1e-6)

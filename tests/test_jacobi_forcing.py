@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import MICRO_MODEL, make_config
 from lit_spec.config import build
 from lit_spec.data import IGNORE_INDEX, NoisyTrajectoryDataModule
-from lit_spec.data.noisy_trajectories import (CLEAN, NOISY, noise_ratios, packed_item, pick_state, split_blocks,
+from lit_spec.data.noisy_trajectories import (CLEAN, NOISY, noise_ratios, packed_item, pick_state, record_blocks,
                                               unconverged)
 from lit_spec.decoding.masks import CONTEXT, PADDING, noise_aware
 from lit_spec.errors import ConfigError
@@ -36,12 +36,10 @@ def test_schedule_and_state_choice():
     assert pick_state(states, 1.0) == [1, 2, 3, 4]
 
 
-def test_blocks_split_to_a_divisor_of_the_collected_size():
-    record = {"blocks": [{"states": [[1, 2, 3, 4], [5, 2, 3, 4], [5, 6, 7, 4], [5, 6, 7, 8]]},
+def test_a_records_blocks_as_collected():
+    record = {"blocks": [{"states": [[1, 2, 3, 4], [5, 2, 3, 4], [5, 6, 7, 8]]}, {"states": [[]]},
                          {"states": [[9, 9], [9, 10]]}]}
-    assert split_blocks(record, 4) == [record["blocks"][0]["states"], [[9, 9], [9, 10]]]
-    assert split_blocks(record, 2) == [[[1, 2], [5, 2], [5, 6]],            # repeats dropped
-                                       [[3, 4], [7, 4], [7, 8]], [[9, 9], [9, 10]]]
+    assert record_blocks(record) == [[[1, 2, 3, 4], [5, 2, 3, 4], [5, 6, 7, 8]], [[9, 9], [9, 10]]]   # empty: out
 
 
 def test_packed_sequence_of_a_known_record():
@@ -53,8 +51,9 @@ def test_packed_sequence_of_a_known_record():
     assert item["streams"] == [CONTEXT] * 2 + [NOISY] * 2 + [CLEAN] * 2 + [NOISY] * 2 + [CLEAN] * 2
     # the next answer token at the context's end and every clean position; nothing after the answer's last token
     assert item["labels"] == [X, 5, X, X, 6, 7, X, X, 8, X]
-    # (noisy, clean, block) from each noisy block's first wrong token; not the answer's last position
-    assert item["pairs"] == [(3, 5, 0), (6, 8, 1)]
+    # (noisy, clean, block) from each noisy block's first wrong token to its end (the answer's last position too,
+    # as the authors' code keeps it); T = 2 blocks
+    assert item["pairs"] == [(3, 5, 0), (6, 8, 1), (7, 9, 1)] and item["blocks"] == 2
     clean = packed_item([40, 41], blocks, [0.0, 0.0])                  # ratio 0: the fixed points, nothing to learn
     assert clean["ids"][2:4] == [5, 6] and clean["pairs"] == []
 
@@ -78,51 +77,55 @@ def test_noise_aware_mask_position_by_position():
     assert ["".join(map(str, row)) for row in got] == expected
 
 
-def _micro_module(ar_weight: float = 10.0) -> JacobiForcingModule:
+PAPER = {"consistency_reduction": "sum", "ar_prompt": False}
+
+
+def _micro_module(ar_weight: float = 10.0, **settings) -> JacobiForcingModule:
     from random_models import random_model
 
-    module = JacobiForcingModule(SimpleNamespace(to_dict=dict), n_tokens=2, ar_weight=ar_weight)
+    module = JacobiForcingModule(SimpleNamespace(to_dict=dict), n_tokens=2, ar_weight=ar_weight, **settings)
     module.model = random_model().train()
     module.log = lambda *a, **k: None
     return module
 
 
-def test_losses_of_one_forward_equal_separate_plain_forwards():
-    """The packed forward's logits are those of plain causal forwards of the clean answer and of the noisy stream, so
-    the losses can be computed by hand from those: consistency = mean over blocks of Σ_t KL(clean ‖ noisy), AR =
-    mean cross-entropy of the answer."""
+@pytest.mark.parametrize("paper", [False, True], ids=["authors_code", "paper"])
+def test_losses_of_one_forward_equal_the_formulas_on_plain_forwards(paper):
+    """The packed forward's logits are those of plain causal forwards of the clean answer and of the noisy stream,
+    so both terms can be written out from those, per record (the authors' trainer takes one record a step):
+    the authors' code, Σ_pairs KL(clean ‖ noisy) / K / T and the AR cross-entropy over the prompt's and the answer's
+    next tokens; or the paper's form, the mean over blocks of each block's Σ KL and the answer's AR term."""
     records = [(list(range(10, 14)), [[[20, 3], [20, 21]], [[4, 5], [22, 5], [22, 23]], [[6, 7], [24, 25]]]),
                ([30, 31], [[[32, 9], [32, 33]], [[8, 8], [34, 35]]])]
-    ratios = [[1.0, 1.0, 1.0], [1.0, 1.0]]
     dm = NoisyTrajectoryDataModule(path="unused")
-    batch = dm.collate([packed_item(c, b, r) for (c, b), r in zip(records, ratios)])
-    module = _micro_module()
+    batch = dm.collate([packed_item(c, b, [1.0] * len(b)) for c, b in records])
+    module = _micro_module(**(PAPER if paper else {}))
     consistency, ar = module._losses(batch)
 
     model = module.model
-    kls, nll, count = [], 0.0, 0
+    per_record, per_block, ce = [], [], []
     with torch.no_grad():
         for context, blocks in records:
             answer = [t for b in blocks for t in b[-1]]
             noisy_stream = [t for b in blocks for t in pick_state(b, 1.0)]
             clean = model(torch.tensor([context + answer])).logits[0]
             noisy = model(torch.tensor([context + noisy_stream])).logits[0]
-            p = len(context)
-            nll += F.cross_entropy(clean[p - 1: -1], torch.tensor(answer), reduction="sum").item()
-            count += len(answer)
+            p, seq = len(context), context + answer
+            ce += [F.cross_entropy(clean[t - 1], torch.tensor(seq[t])) for t in range(1 if not paper else p, len(seq))]
+            kls = []
             for j, states in enumerate(blocks):
                 fixed, state = states[-1], pick_state(states, 1.0)
                 first = next(t for t in range(2) if state[t] != fixed[t])
-                end = 2 - (j == len(blocks) - 1)
-                total = 0.0
-                for t in range(first, end):
-                    at = p + 2 * j + t
-                    log_p, log_q = clean[at].log_softmax(-1), noisy[at].log_softmax(-1)
-                    total += float((log_p.exp() * (log_p - log_q)).sum())
-                if first < end:
-                    kls.append(total)
-    assert consistency.item() == pytest.approx(sum(kls) / len(kls), rel=1e-4)
-    assert ar.item() == pytest.approx(nll / count, rel=1e-5)
+                block = []
+                for t in range(first, 2):                    # to the block's end, the answer's last position too
+                    log_p, log_q = clean[p + 2 * j + t].log_softmax(-1), noisy[p + 2 * j + t].log_softmax(-1)
+                    block.append(float((log_p.exp() * (log_p - log_q)).sum()))
+                kls += block
+                per_block.append(sum(block))
+            per_record.append(sum(kls) / len(kls) / len(blocks))
+    expected = sum(per_block) / len(per_block) if paper else sum(per_record) / len(per_record)
+    assert consistency.item() == pytest.approx(expected, rel=1e-4)
+    assert ar.item() == pytest.approx(float(sum(ce) / len(ce)), rel=1e-5)
     loss = module.training_step(batch, 0)
     assert loss.item() == pytest.approx(consistency.item() + 10.0 * ar.item(), rel=1e-5)
     loss.backward()
@@ -147,7 +150,8 @@ def test_bad_data_settings_are_one_line_errors(kwargs, match):
 
 @pytest.mark.parametrize("kwargs, match", [({"n_tokens": 0}, "n_tokens"), ({"ar_weight": -1}, "ar_weight"),
                                            ({"blocks": 0}, "blocks"), ({"spawn_ratio": 2.0}, "spawn_ratio"),
-                                           ({"distance": "l2"}, "distance")])
+                                           ({"distance": "l2"}, "distance"),
+                                           ({"consistency_reduction": "sums"}, "consistency_reduction")])
 def test_bad_method_settings_are_config_errors(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         JacobiForcingModule(None, **kwargs)
@@ -161,11 +165,10 @@ def _run(tmp_path, traj, method: str = "jacobi_forcing", data: str = "noisy_traj
         "trainer.log_every_n_steps=1", "callbacks=default", "callbacks.throughput.window_size=2", *overrides])
 
 
-def test_block_size_must_divide_the_collected_one(tmp_path):
+def test_the_block_size_must_be_the_collected_one(tmp_path):
     traj = write_trajectories(tmp_path / "traj")            # collected with n = 3
-    with pytest.raises(ConfigError, match=r"^method.n_tokens=2 does not divide the block size n=3 the trajectories at "
-                                          r".* were collected with: choose a divisor of 3, or collect with "
-                                          r"collect.n_tokens=2$"):
+    with pytest.raises(ConfigError, match=r"^method.n_tokens=2, but the trajectories at .* were collected with n=3: "
+                                          r"set method.n_tokens=3, or collect with n=2"):
         run_training(_run(tmp_path, traj, "jacobi_forcing", "noisy_trajectories", "method.n_tokens=2"))
     assert not (tmp_path / "run").exists()
 

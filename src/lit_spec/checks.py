@@ -195,7 +195,7 @@ def check_method_data(cfg: DictConfig) -> None:
 
 
 def check_block_size(method: DictConfig, datamodule) -> None:
-    """The method's block size fits the trajectories (CLLM: the collected one; Jacobi Forcing: a divisor of it)."""
+    """The method's block size is the one its trajectories were collected with."""
     check = getattr(datamodule, "check_block_size", None)
     if check is not None and method.get("n_tokens") is not None:
         check(method.n_tokens)

@@ -1,8 +1,9 @@
 """``data=noisy_trajectories``: Jacobi Forcing's training sequences (Hu et al. 2025, arXiv 2512.14681, Fig. 6) from
 the Jacobi trajectories that CLLM trains on (``data=trajectories``, the same collection and cache entry).
 
-One item per record. Its answer is cut into blocks of n tokens (n divides the collected block size: a collected
-block's states cut to a sub-block are that sub-block's trajectory). Block j gets a noise ratio t_j from the
+One item per record, its answer in the blocks it was collected in (n, the trained block size, is the collected one:
+a piece of a longer block's states was never an n-token trajectory, its tokens conditioned on a noisy prefix that a
+real n-token decode has already fixed). Block j gets a noise ratio t_j from the
 progressive schedule, t_j = W[j mod w] with W = w ratios rising linearly from 0 to 1 (``progressive``, the paper's;
 ``random`` draws a ratio of W per block and epoch). Its noisy state is the trajectory state whose unconverged share
 (the tokens from its first wrong one on, over n) is nearest to t_j, its clean state the fixed point. The item packs
@@ -10,9 +11,12 @@ the context and every (noisy, clean) pair, ``context k_0 l_0 k_1 l_1 ...``, each
 noise-aware mask (``decoding.masks.noise_aware``) lets the clean blocks read as plain AR over the answer and the noisy
 ones read the noisy blocks before them. One forward gives both losses:
 
-- ``pairs``: (row, noisy position, clean position, block) of every noisy token from the block's first wrong one on:
-  the model's next-token distribution there is compared with the clean copy's (the consistency loss);
-- ``labels``: the next answer token at the context's last position and every clean position (the AR loss).
+- ``pairs``: (row, noisy position, clean position, block) of every noisy token from the block's first wrong one on,
+  the last block's last included (as the authors' code keeps it): the model's next-token distribution there is
+  compared with the clean copy's (the consistency loss);
+- ``labels``: the next answer token at the context's last position and every clean position (the AR loss; the
+  context's own pairs are added by the method under ``ar_prompt``);
+- ``blocks``: the record's number of blocks, T (the authors' code divides its consistency mean by it).
 """
 
 from __future__ import annotations
@@ -30,19 +34,9 @@ NOISY, CLEAN = 1, 2                        # the two streams of ``masks.noise_aw
 NOISE_SCHEDULES = ("progressive", "random")
 
 
-def split_blocks(record: dict, n: int) -> list[list[list[int]]]:
-    """The record's blocks at block size ``n`` (a divisor of the collected one), each its list of states from the
-    initial guess to the fixed point (consecutive repeats dropped); empty blocks left out."""
-    blocks = []
-    for block in record["blocks"]:
-        states = block["states"]
-        for start in range(0, len(states[-1]), n):
-            sub: list[list[int]] = []
-            for state in states:
-                if not sub or state[start: start + n] != sub[-1]:
-                    sub.append(state[start: start + n])
-            blocks.append(sub)
-    return blocks
+def record_blocks(record: dict) -> list[list[list[int]]]:
+    """The record's blocks, each its list of states from the initial guess to the fixed point; empty ones left out."""
+    return [block["states"] for block in record["blocks"] if block["states"][-1]]
 
 
 def noise_ratios(window: int) -> list[float]:
@@ -64,7 +58,7 @@ def pick_state(states: list[list[int]], ratio: float) -> list[int]:
 def packed_item(context: list[int], blocks: list[list[list[int]]], ratios: list[float]) -> dict:
     """Token lists of one sequence: ids, positions, streams, labels and the consistency pairs (see the module doc)."""
     item = {"ids": list(context), "positions": list(range(len(context))), "streams": [CONTEXT] * len(context),
-            "labels": [IGNORE_INDEX] * len(context), "pairs": []}
+            "labels": [IGNORE_INDEX] * len(context), "pairs": [], "blocks": len(blocks)}
 
     def append(stream: int, tokens: list[int], start: int) -> int:
         at = len(item["ids"])
@@ -82,17 +76,16 @@ def packed_item(context: list[int], blocks: list[list[list[int]]], ratios: list[
         for at, token in zip([last_clean] + list(range(clean_at, clean_at + len(fixed) - 1)), fixed):
             item["labels"][at] = token
         last_clean = clean_at + len(fixed) - 1
-        end = len(fixed) - (j == len(blocks) - 1)     # the answer's last token predicts nothing of it
-        item["pairs"] += [(noisy_at + t, clean_at + t, j) for t in range(greedy_accept_length(noisy, fixed), end)]
+        first_wrong = greedy_accept_length(noisy, fixed)
+        item["pairs"] += [(noisy_at + t, clean_at + t, j) for t in range(first_wrong, len(fixed))]
     return item
 
 
 class _Records(Dataset):
     """One packed item per record with a trajectory; ``dataset[(index, epoch)]`` (``random`` draws per epoch)."""
 
-    def __init__(self, records: list[dict], n: int, window: int, schedule: str, seed: int,
-                 max_context_tokens: int | None):
-        self.n, self.ratios, self.schedule, self.seed = n, noise_ratios(window), schedule, seed
+    def __init__(self, records: list[dict], window: int, schedule: str, seed: int, max_context_tokens: int | None):
+        self.ratios, self.schedule, self.seed = noise_ratios(window), schedule, seed
         self.max_context_tokens = max_context_tokens
         self.records = [r for r in records if any(b["states"][-1] for b in r["blocks"])]
 
@@ -102,7 +95,7 @@ class _Records(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> dict:
         index, epoch = key
         record = self.records[index]
-        blocks = split_blocks(record, self.n)
+        blocks = record_blocks(record)
         w = len(self.ratios)
         if self.schedule == "progressive":
             picks = [j % w for j in range(len(blocks))]
@@ -117,8 +110,7 @@ class _Records(Dataset):
 
 class NoisyTrajectoryDataModule(JacobiTrajectories):
     """Args (besides ``JacobiTrajectories``'; ``batch_size`` counts records, ``use_augmented`` is not read):
-        block_size: n, the training block size (``method.n_tokens``); a divisor of the collected block size; null:
-            the collected one.
+        block_size: n, the training block size (``method.n_tokens``): the collected one; null: that one.
         noise_window: w, the ratios of the progressive schedule (the paper's data: n = 32, w = 16).
         noise_schedule: ``progressive`` (t_j = W[j mod w], the paper's) or ``random`` (a ratio of W per block and
             epoch).
@@ -136,16 +128,9 @@ class NoisyTrajectoryDataModule(JacobiTrajectories):
                               "the generated answer; use ar_target=generated")
         self.block_size, self.noise_window, self.noise_schedule = block_size, noise_window, noise_schedule
 
-    def check_block_size(self, n: int) -> None:
-        if self.n_tokens % n:
-            raise ConfigError(f"method.n_tokens={n} does not divide the block size n={self.n_tokens} the trajectories "
-                              f"at {self.path} were collected with: choose a divisor of {self.n_tokens}, or collect "
-                              f"with collect.n_tokens={n}")
-
     def items(self, split: str) -> Dataset:
-        n = self.block_size or self.n_tokens
-        self.check_block_size(n)
-        return _Records(self.records[split], n, self.noise_window, self.noise_schedule, self.seed,
+        self.check_block_size(self.block_size or self.n_tokens)
+        return _Records(self.records[split], self.noise_window, self.noise_schedule, self.seed,
                         self.max_context_tokens)
 
     def collate(self, items: list[dict]) -> dict:
@@ -155,6 +140,7 @@ class NoisyTrajectoryDataModule(JacobiTrajectories):
                  "streams": torch.full((rows, width), PADDING, dtype=torch.long),
                  "labels": torch.full((rows, width), IGNORE_INDEX, dtype=torch.long),
                  "attention_mask": torch.zeros((rows, width), dtype=torch.long)}
+        batch["blocks"] = torch.tensor([it["blocks"] for it in items], dtype=torch.long)
         pairs = []
         for i, it in enumerate(items):
             size = len(it["ids"])

@@ -9,10 +9,13 @@ already at its fixed point gives y = y*), the item holds
 - ``input_ids`` = c + y (the student's input), ``teacher_ids`` = c + y* (global teacher, eq. 4) and
   ``local_teacher_ids`` = c + y^(j+1) (local teacher, eq. 5; y* for an augmented state), all of one length, with
   ``attention_mask``;
-- ``consistency_mask``: the positions whose next-token distributions are compared, from c's last token to the one
-  before the block's last token: the n predictions of the block's n tokens (eq. 4: token i given y_<i and x);
-- ``ar_input_ids`` / ``ar_attention_mask`` / ``ar_labels``: prompt + l for the AR loss (eq. 6), l being the target's
-  generated answer (``ar_target: generated``, the paper's) or the dataset's answer (``dataset``), prompt masked.
+- ``consistency_mask``: the positions whose next-token distributions are compared: the predictions of the block's
+  tokens from y's first wrong one on (eq. 4's terms before it compare equal contexts, 0; the authors' code leaves them
+  out, which its mean reduction counts);
+- ``prompt_mask``: the prompt's tokens in c (the block AR sequence, c + y*, is ``teacher_ids``);
+- ``ar_input_ids`` / ``ar_attention_mask`` / ``ar_labels``: prompt + l for the answer AR sequence (eq. 6), l being
+  the target's generated answer (``ar_target: generated``, the paper's) or the dataset's answer (``dataset``), prompt
+  masked.
 
 The states are drawn with a generator seeded by (seed, epoch, item index): reproducible, new states every epoch;
 validation always uses epoch 0 and the items in order. ``num_tokens`` (throughput) counts the student's tokens only.
@@ -28,6 +31,7 @@ from lit_spec.data.datamodule import IGNORE_INDEX, check_loader_counts
 from lit_spec.data.metrics import get_metric
 from lit_spec.data.resumable import EpochOrder, ResumableLoader, data_parallel_rank, epoch_seed
 from lit_spec.data.trajectories import CollectionSource, read_meta, read_records, split_off_validation
+from lit_spec.decoding.verify import greedy_accept_length
 from lit_spec.errors import ConfigError, DataError, check_count
 
 AR_TARGETS = ("generated", "dataset")
@@ -49,13 +53,14 @@ def consistency_item(record: dict, block: int, choice: int, use_augmented: bool 
     """Token lists for block ``block`` of ``record`` with the student state ``student_pool(...)[choice]``."""
     offset = sum(len(b["states"][-1]) for b in record["blocks"][:block])
     context = record["prompt_ids"] + record["answer_ids"][:offset]
-    if max_context_tokens is not None:
-        context = context[-max_context_tokens:]                         # left-truncate, keep the block
+    cut = 0 if max_context_tokens is None else max(0, len(context) - max_context_tokens)
+    context = context[cut:]                                             # left-truncate, keep the block
     student, local = student_pool(record["blocks"][block], use_augmented)[choice]
     fixed = record["blocks"][block]["states"][-1]
     start = len(context) - 1                                            # logits here predict the block's 1st token
     return {"student": context + student, "teacher": context + fixed, "local_teacher": context + local,
-            "mask": (start, start + len(fixed))}
+            "mask": (start + greedy_accept_length(student, fixed), start + len(fixed)),
+            "prompt": max(0, len(record["prompt_ids"]) - cut)}
 
 
 def ar_item(record: dict, ar_target: str = "generated", max_context_tokens: int | None = None) -> dict:
@@ -112,8 +117,8 @@ class EpochSampler(EpochOrder):
 
 
 class JacobiTrajectories(L.LightningDataModule):
-    """A collected trajectory directory as training batches; subclasses make the items (``items``, ``collate``) and
-    say which block sizes they train (``check_block_size``). Args:
+    """A collected trajectory directory as training batches; subclasses make the items (``items``, ``collate``).
+    Args:
         tokenizer: the model's (its pad token pads; the speedup callback decodes with it).
         path: a collected trajectory directory (the ``trajectories`` stage of ``lit_spec.stages`` sets it when the
             config leaves it null).
@@ -184,8 +189,11 @@ class JacobiTrajectories(L.LightningDataModule):
         return 0 if pad is None else pad
 
     def check_block_size(self, n: int) -> None:
-        """A ConfigError unless the method can train with block size ``n`` on these trajectories."""
-        raise NotImplementedError
+        """The methods train and decode with the block size their trajectories were collected with."""
+        if n != self.n_tokens:
+            raise ConfigError(f"method.n_tokens={n}, but the trajectories at {self.path} were collected with "
+                              f"n={self.n_tokens}: set method.n_tokens={self.n_tokens}, or collect with n={n} "
+                              f"(data.path=null collects with method.n_tokens)")
 
     def items(self, split: str) -> Dataset:
         """The split's items, indexed by (index, epoch) (``EpochSampler``)."""
@@ -212,13 +220,6 @@ class JacobiTrajectories(L.LightningDataModule):
 class TrajectoryDataModule(JacobiTrajectories):
     """CLLM's batches: one item per (record, block), a state of the block's trajectory drawn per epoch (module doc)."""
 
-    def check_block_size(self, n: int) -> None:
-        """CLLM trains and decodes with the block size its trajectories were collected with."""
-        if n != self.n_tokens:
-            raise ConfigError(f"method.n_tokens={n}, but the trajectories at {self.path} were collected with "
-                              f"n={self.n_tokens}: set method.n_tokens={self.n_tokens}, or collect with n={n} "
-                              f"(data.path=null collects with method.n_tokens)")
-
     def items(self, split: str) -> Dataset:
         return _Items(self.records[split], self.seed, self.use_augmented, self.max_context_tokens, self.ar_target)
 
@@ -230,6 +231,7 @@ class TrajectoryDataModule(JacobiTrajectories):
                  for key in ("input_ids", "teacher_ids", "local_teacher_ids")}
         batch["attention_mask"] = torch.zeros((rows, width), dtype=torch.long)
         batch["consistency_mask"] = torch.zeros((rows, width), dtype=torch.bool)
+        batch["prompt_mask"] = torch.zeros((rows, width), dtype=torch.bool)
         batch["ar_input_ids"] = torch.full((rows, ar_width), pad, dtype=torch.long)
         batch["ar_attention_mask"] = torch.zeros((rows, ar_width), dtype=torch.long)
         batch["ar_labels"] = torch.full((rows, ar_width), IGNORE_INDEX, dtype=torch.long)
@@ -240,6 +242,7 @@ class TrajectoryDataModule(JacobiTrajectories):
                 batch[key][i, :size] = torch.tensor(it[seq])
             batch["attention_mask"][i, :size] = 1
             batch["consistency_mask"][i, slice(*it["mask"])] = True
+            batch["prompt_mask"][i, : it["prompt"]] = True
             ar = it["ar"]
             batch["ar_input_ids"][i, : len(ar["ids"])] = torch.tensor(ar["ids"], dtype=torch.long)
             batch["ar_attention_mask"][i, : len(ar["ids"])] = 1

@@ -5,9 +5,13 @@ to what it predicts from the fixed point y* (global consistency, eq. 4) or from 
 
     L_GC = E [ sum_i D( q_θ−(· | y*_<i, x) ‖ q_θ(· | y_<i, x) ) ]            (eq. 4; θ− = stopgrad(θ))
 
-plus the AR loss on the target's answer l that keeps it close to the target (eq. 6), L = L_consistency + ω·L_AR
-(eq. 7). The teacher q_θ− is the same model in a forward under ``torch.no_grad()``. The result is a plain HF model:
-``export`` is the base class's, and ``decoders()`` offers the Jacobi decoder it was trained for.
+plus the AR loss that keeps it close to the target (eq. 6), L = L_consistency + ω·L_AR (eq. 7). The teacher q_θ− is
+the same model, detached. As the authors' code (hao-ai-lab/Consistency_LLM ``cllm_trainer_global.py``) has it by
+default: L_GC is the mean over the compared tokens, and L_AR a label-smoothed cross-entropy over the block's own
+sequence, c + y* (``ar_sequence=block``); that sequence is the global teacher's, so one forward with gradients gives
+both the AR term and, detached, the teacher. The paper's eq. 4 and 6 are ``consistency_reduction=sum``,
+``ar_sequence=answer``, ``ar_prompt=false``, ``label_smoothing=0``. The result is a plain HF model: ``export`` is the
+base class's, and ``decoders()`` offers the Jacobi decoder it was trained for.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from lit_spec.methods import losses
 from lit_spec.methods.consistency import ConsistencyModule
 
 CONSISTENCY = ("global", "local")
+AR_SEQUENCES = ("block", "answer")
 
 
 class CLLMModule(ConsistencyModule):
@@ -32,33 +37,58 @@ class CLLMModule(ConsistencyModule):
         consistency: ``global`` (eq. 4, the paper's choice) or ``local`` (eq. 5).
         ar_target: what the AR loss fits (``generated``: the target's answer l, eq. 6; ``dataset``: the reference);
             read by the datamodule (``data.ar_target``), recorded here.
+        ar_sequence: the AR term's sequence: ``block`` (the context and the block's fixed point, c + y*: the authors'
+            code) or ``answer`` (the prompt and the whole answer, eq. 6).
+        consistency_reduction: ``mean`` over the batch's compared tokens (the authors' code) or ``sum`` over each
+            item's block, averaged over items (eq. 4).
+        label_smoothing: ε, 0.1 as the authors' code (transformers' ``LabelSmoother``); 0: eq. 6.
     """
 
     datamodule_class = TrajectoryDataModule
     data_configs = "data=trajectories (collected Jacobi trajectories: data.path, or data.collect to collect them)"
 
     def __init__(self, model_spec, n_tokens: int = 16, consistency: str = "global", distance: str = "forward_kl",
-                 jsd_beta: float = 0.5, ar_weight: float = 10.0, ar_target: str = "generated", **kwargs):
+                 jsd_beta: float = 0.5, ar_weight: float = 10.0, ar_target: str = "generated",
+                 ar_sequence: str = "block", label_smoothing: float = 0.1, **kwargs):
         if consistency not in CONSISTENCY:
             raise ConfigError(f"method.consistency={consistency!r}: choose one of {list(CONSISTENCY)}")
         if ar_target not in AR_TARGETS:
             raise ConfigError(f"method.ar_target={ar_target!r}: choose one of {list(AR_TARGETS)}")
+        if ar_sequence not in AR_SEQUENCES:
+            raise ConfigError(f"method.ar_sequence={ar_sequence!r}: choose one of {list(AR_SEQUENCES)}")
+        if ar_sequence == "block" and ar_target != "generated":
+            raise ConfigError(f"method.ar_target={ar_target!r} fits the dataset's answer, which ar_sequence=block "
+                              "(the block's fixed point) does not read: set method.ar_sequence=answer")
         super().__init__(model_spec, n_tokens=n_tokens, consistency=consistency, distance=distance,
-                         jsd_beta=jsd_beta, ar_weight=ar_weight, ar_target=ar_target, **kwargs)
+                         jsd_beta=jsd_beta, ar_weight=ar_weight, ar_target=ar_target, ar_sequence=ar_sequence,
+                         label_smoothing=label_smoothing, **kwargs)
 
     def decoders(self) -> dict:
         return {"jacobi": JacobiDecoder(self.model, n_tokens=self.hparams.n_tokens)}
 
+    def _ar_sequence(self, batch: dict) -> tuple[dict, torch.Tensor]:
+        """The AR term's inputs and labels (``logits[t]`` predicts ``labels[t]``): c + y* or prompt + answer."""
+        if self.hparams.ar_sequence == "block":
+            ids, attention, prompt = batch["teacher_ids"], batch["attention_mask"], batch["prompt_mask"]
+        else:
+            ids, attention = batch["ar_input_ids"], batch["ar_attention_mask"]
+            prompt = attention.bool() & (batch["ar_labels"] == IGNORE_INDEX)
+        answer = torch.where(attention.bool() & ~prompt, ids, IGNORE_INDEX)
+        labels = self._ar_labels(F.pad(answer[:, 1:], (0, 1), value=IGNORE_INDEX), ids, prompt & attention.bool())
+        return {"input_ids": ids, "attention_mask": attention}, labels
+
     def _losses(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         hp = self.hparams
-        teacher_ids = batch["teacher_ids"] if hp.consistency == "global" else batch["local_teacher_ids"]
-        with torch.no_grad():  # θ− = stopgrad(θ): the same model, no graph
-            teacher = self.model(input_ids=teacher_ids, attention_mask=batch["attention_mask"]).logits
+        inputs, labels = self._ar_sequence(batch)
+        ar_logits = self.model(**inputs).logits
+        if hp.consistency == "global" and hp.ar_sequence == "block":
+            teacher = ar_logits.detach()            # c + y*: θ− = stopgrad(θ) on the AR term's own forward
+        else:
+            teacher_ids = batch["teacher_ids"] if hp.consistency == "global" else batch["local_teacher_ids"]
+            with torch.no_grad():  # θ− = stopgrad(θ): the same model, no graph
+                teacher = self.model(input_ids=teacher_ids, attention_mask=batch["attention_mask"]).logits
         student = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        # logits at position t predict token t+1; the mask marks the t's of the block's n predictions (eq. 4 / 5)
-        consistency = losses.distance(student, teacher, batch["consistency_mask"], hp.distance, hp.jsd_beta)
-        inputs = {"input_ids": batch["ar_input_ids"], "attention_mask": batch["ar_attention_mask"]}
-        # eq. 6 as a mean over the answer tokens; logits at t predict token t+1
-        labels = F.pad(batch["ar_labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
-        ar = self._ar(self.model(**inputs).logits, labels, **inputs)
-        return consistency, ar
+        # logits at position t predict token t+1; the mask marks the t's of the block's predictions (eq. 4 / 5)
+        consistency = losses.distance(student, teacher, batch["consistency_mask"], hp.distance, hp.jsd_beta,
+                                      hp.consistency_reduction)
+        return consistency, self._ar(ar_logits, labels, **inputs)    # eq. 6 as a mean over its tokens

@@ -178,9 +178,7 @@ class DraftDistillModule(FrozenBaseModule):
         if with_teacher:
             with torch.no_grad():
                 teacher = self.model(input_ids=ids, attention_mask=mask).logits
-            # losses.distance sums over each row's positions and averages over rows: rescaled to a token mean
-            rows = int(where.any(-1).sum())
-            out["kl"] = losses.distance(logits, teacher, where, hp.distance, hp.jsd_beta) * rows / n
+            out["kl"] = losses.distance(logits, teacher, where, hp.distance, hp.jsd_beta, reduction="mean")
             out["agreement"] = float((picked.argmax(-1) == teacher[where].argmax(-1)).float().mean())
         return out
 

@@ -4,12 +4,17 @@ context, what it predicts from the clean ones.
 
 One forward per batch over the packed sequences of ``data=noisy_trajectories`` (noisy and clean copy of every block
 under the noise-aware causal mask, Fig. 6) gives both terms of L = L_consistency + ω·L_AR (ω = 10, the authors'
-training code):
+training code). With D_jt = D( q_θ−(· | x, l_<j, l_j,≤t) ‖ q_θ(· | x, k_<j, k_j,≤t) ), d_j the first wrong token of
+the noisy block k_j, l the clean blocks (fixed points), x the prompt, K the record's compared pairs (j, t ≥ d_j) and
+T its blocks:
 
-    L_consistency = mean over blocks j of  Σ_{t ≥ d_j} D( q_θ−(· | x, l_<j, l_j,≤t) ‖ q_θ(· | x, k_<j, k_j,≤t) )
-    L_AR          = mean over answer tokens of  −log q_θ(l_i | x, l_<i)          (the clean stream is plain AR)
+    L_consistency = (1/T) · (1/K) Σ_j Σ_{t ≥ d_j} D_jt      (``mean``: the authors' code, the default; per record)
+                  = mean over blocks j of Σ_{t ≥ d_j} D_jt   (``sum``: the paper's form)
+    L_AR          = mean over x's and the answer's tokens of −log q_θ(l_i | x, l_<i)   (the clean stream is plain AR;
+                    the answer's alone with ``ar_prompt=false``)
 
-with d_j the first wrong token of the noisy block k_j, l the clean blocks (fixed points), x the prompt.
+(hao-ai-lab/JacobiForcing ``soft_flexattn_cllm_trainer_multiblock.py``: ``soft_cross_entropy`` over the kept pairs,
+divided by T; the AR cross-entropy over the prompt's, the bridges' and the clean blocks' pairs, ×10.)
 
 The teacher q_θ− is the clean copy's distribution in the same forward, detached (stop-gradient). The authors' code
 takes the soft cross-entropy to that teacher, which has the gradient of D = forward KL (the default here). The
@@ -24,7 +29,7 @@ import torch
 
 from lit_spec.data import NoisyTrajectoryDataModule
 from lit_spec.decoding.jacobi import JacobiDecoder
-from lit_spec.decoding.masks import attention_mask, noise_aware
+from lit_spec.decoding.masks import CONTEXT, attention_mask, noise_aware
 from lit_spec.decoding.multiblock import MultiBlockDecoder, check_settings
 from lit_spec.methods import losses
 from lit_spec.methods.consistency import ConsistencyModule
@@ -62,7 +67,18 @@ class JacobiForcingModule(ConsistencyModule):
                             position_ids=batch["position_ids"]).logits
         row, noisy, clean, block = batch["pairs"].unbind(-1)
         d = losses.pointwise(logits[row, noisy], logits[row, clean], hp.distance, hp.jsd_beta)
-        consistency = losses.mean_of_sums(d, block, logits)
-        ar = self._ar(logits, batch["labels"], input_ids=batch["input_ids"], attention_mask=mask,
+        consistency = self._reduce(d, row, block, batch["blocks"], logits)
+        labels = self._ar_labels(batch["labels"], batch["input_ids"], batch["streams"] == CONTEXT)
+        ar = self._ar(logits, labels, input_ids=batch["input_ids"], attention_mask=mask,
                       position_ids=batch["position_ids"])
         return consistency, ar
+
+    def _reduce(self, d: torch.Tensor, row: torch.Tensor, block: torch.Tensor, blocks: torch.Tensor,
+                like: torch.Tensor) -> torch.Tensor:
+        """L_consistency from the pairs' distances ``d`` (module doc): per record Σ D / (K·T), averaged over the
+        batch's records; or the mean over the batch's blocks of each one's Σ D."""
+        if self.hparams.consistency_reduction == "sum" or d.numel() == 0:
+            return losses.mean_of_sums(d, block, like)
+        rows = len(blocks)
+        pairs = losses.group_sums(torch.ones_like(d), row, rows).clamp(min=1)
+        return (losses.group_sums(d, row, rows) / pairs / blocks).mean()

@@ -1,8 +1,10 @@
 """Distances between a teacher's and a student's next-token distributions, shared by every method.
 
-``distance(student_logits, teacher_logits, mask, kind)`` compares the two at the positions ``mask`` marks and returns
-the per-sequence SUM over those positions (CLLM eq. 4 sums over the block's n positions), averaged over the
-batch rows that have any. The teacher is detached inside: it is the stop-gradient model q_θ− of CLLM eq. 4-5.
+``distance(student_logits, teacher_logits, mask, kind, reduction)`` compares the two at the positions ``mask`` marks.
+Its reductions (``REDUCTIONS``) are the two that the papers and their authors' code use: ``sum``, each row's sum over
+its positions averaged over the rows (CLLM eq. 4 sums over the block's positions), and ``mean``, the mean over every
+marked position of the batch (the authors' ``soft_cross_entropy``). The teacher is detached inside: it is the
+stop-gradient model q_θ− of CLLM eq. 4-5.
 
 Kinds (p: teacher, q: student, per position, over the vocabulary):
 - ``forward_kl``: KL(p‖q), CLLM's D(q_θ−‖q_θ) and the paper's default (§3.2.2, "we primarily experiment with the
@@ -22,6 +24,7 @@ import torch
 from lit_spec.errors import ConfigError
 
 DISTANCES = ("forward_kl", "reverse_kl", "jsd")
+REDUCTIONS = ("mean", "sum")
 
 
 def check_distance(kind: str, beta: float = 0.5) -> None:
@@ -51,18 +54,37 @@ def pointwise(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: 
     return beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
 
 
+def check_reduction(name: str, reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ConfigError(f"{name}={reduction!r}: choose one of {list(REDUCTIONS)} (mean: the authors' code; sum: "
+                          "the paper's equation)")
+
+
+def group_sums(values: torch.Tensor, groups: torch.Tensor, count: int) -> torch.Tensor:
+    """[count]: the sum of ``values`` [N] within each group (``groups`` [N], ids in [0, count))."""
+    return values.new_zeros(count).index_add(0, groups, values)
+
+
+def token_mean(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The mean of ``values``; 0 in the graph of ``like`` when there are none."""
+    return values.mean() if values.numel() else like.sum() * 0.0
+
+
 def mean_of_sums(values: torch.Tensor, groups: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The sum of ``values`` [N] within each group (``groups`` [N], ids >= 0), averaged over the groups present; 0
     in the graph of ``like`` when there is nothing to sum."""
     if values.numel() == 0:
         return like.sum() * 0.0
     ids, groups = torch.unique(groups, return_inverse=True)
-    return torch.zeros(len(ids), device=values.device, dtype=values.dtype).index_add(0, groups, values).mean()
+    return group_sums(values, groups, len(ids)).mean()
 
 
 def distance(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
-             kind: str = "forward_kl", beta: float = 0.5) -> torch.Tensor:
-    """Args: logits [B, T, V] (teacher detached here), mask [B, T] bool. Returns a scalar (see the module doc)."""
+             kind: str = "forward_kl", beta: float = 0.5, reduction: str = "sum") -> torch.Tensor:
+    """Args: logits [B, T, V] (teacher detached here), mask [B, T] bool. Returns a scalar (see the module doc; under
+    ``sum`` a row with nothing marked counts as 0)."""
     mask = mask.bool()
     d = pointwise(student_logits[mask], teacher_logits[mask], kind, beta)   # only the compared positions
-    return mean_of_sums(d, mask.nonzero()[:, 0], student_logits)
+    if reduction == "mean" or d.numel() == 0:
+        return token_mean(d, student_logits)
+    return group_sums(d, mask.nonzero()[:, 0], mask.size(0)).mean()
