@@ -92,7 +92,8 @@ def _micro_module(ar_weight: float = 10.0, **settings) -> JacobiForcingModule:
 @pytest.mark.parametrize("paper", [False, True], ids=["authors_code", "paper"])
 def test_losses_of_one_forward_equal_the_formulas_on_plain_forwards(paper):
     """The packed forward's logits are those of plain causal forwards of the clean answer and of the noisy stream,
-    so both terms can be written out from those, per record (the authors' trainer takes one record a step):
+    so both terms and their gradients can be written out from those, per record (the authors' trainer takes one
+    record a step; the LM head runs only where a term reads, the hand version everywhere):
     the authors' code, Σ_pairs KL(clean ‖ noisy) / K / T and the AR cross-entropy over the prompt's and the answer's
     next tokens; or the paper's form, the mean over blocks of each block's Σ KL and the answer's AR term."""
     records = [(list(range(10, 14)), [[[20, 3], [20, 21]], [[4, 5], [22, 5], [22, 23]], [[6, 7], [24, 25]]]),
@@ -101,35 +102,36 @@ def test_losses_of_one_forward_equal_the_formulas_on_plain_forwards(paper):
     batch = dm.collate([packed_item(c, b, [1.0] * len(b)) for c, b in records])
     module = _micro_module(**(PAPER if paper else {}))
     consistency, ar = module._losses(batch)
-
+    (consistency + 10.0 * ar).backward()
     model = module.model
+    got = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+
     per_record, per_block, ce = [], [], []
-    with torch.no_grad():
-        for context, blocks in records:
-            answer = [t for b in blocks for t in b[-1]]
-            noisy_stream = [t for b in blocks for t in pick_state(b, 1.0)]
-            clean = model(torch.tensor([context + answer])).logits[0]
-            noisy = model(torch.tensor([context + noisy_stream])).logits[0]
-            p, seq = len(context), context + answer
-            ce += [F.cross_entropy(clean[t - 1], torch.tensor(seq[t])) for t in range(1 if not paper else p, len(seq))]
-            kls = []
-            for j, states in enumerate(blocks):
-                fixed, state = states[-1], pick_state(states, 1.0)
-                first = next(t for t in range(2) if state[t] != fixed[t])
-                block = []
-                for t in range(first, 2):                    # to the block's end, the answer's last position too
-                    log_p, log_q = clean[p + 2 * j + t].log_softmax(-1), noisy[p + 2 * j + t].log_softmax(-1)
-                    block.append(float((log_p.exp() * (log_p - log_q)).sum()))
-                kls += block
-                per_block.append(sum(block))
-            per_record.append(sum(kls) / len(kls) / len(blocks))
+    for context, blocks in records:
+        answer = [t for b in blocks for t in b[-1]]
+        noisy_stream = [t for b in blocks for t in pick_state(b, 1.0)]
+        clean = model(torch.tensor([context + answer])).logits[0]
+        noisy = model(torch.tensor([context + noisy_stream])).logits[0]
+        p, seq = len(context), context + answer
+        ce += [F.cross_entropy(clean[t - 1], torch.tensor(seq[t])) for t in range(p if paper else 1, len(seq))]
+        kls = []
+        for j, states in enumerate(blocks):
+            fixed, state = states[-1], pick_state(states, 1.0)
+            first = next(t for t in range(2) if state[t] != fixed[t])
+            block = []
+            for t in range(first, 2):                        # to the block's end, the answer's last position too
+                log_p, log_q = clean[p + 2 * j + t].detach().log_softmax(-1), noisy[p + 2 * j + t].log_softmax(-1)
+                block.append((log_p.exp() * (log_p - log_q)).sum())
+            kls += block
+            per_block.append(sum(block))
+        per_record.append(sum(kls) / len(kls) / len(blocks))
     expected = sum(per_block) / len(per_block) if paper else sum(per_record) / len(per_record)
-    assert consistency.item() == pytest.approx(expected, rel=1e-4)
-    assert ar.item() == pytest.approx(float(sum(ce) / len(ce)), rel=1e-5)
-    loss = module.training_step(batch, 0)
-    assert loss.item() == pytest.approx(consistency.item() + 10.0 * ar.item(), rel=1e-5)
-    loss.backward()
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert (consistency.item(), ar.item()) == pytest.approx([expected.item(), (sum(ce) / len(ce)).item()], rel=1e-4)
+    (expected + 10.0 * sum(ce) / len(ce)).backward()
+    for name, param in model.named_parameters():
+        assert torch.allclose(got[name], param.grad, rtol=1e-4, atol=1e-5), name
+    assert module.training_step(batch, 0).item() == pytest.approx(consistency.item() + 10.0 * ar.item(), rel=1e-5)
 
 
 def test_a_batch_without_pairs_still_has_an_ar_loss():

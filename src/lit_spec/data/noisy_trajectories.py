@@ -92,6 +92,14 @@ class _Records(Dataset):
     def __len__(self) -> int:
         return len(self.records)
 
+    def length(self, index: int) -> int:
+        """Record ``index``'s packed tokens: its context (as truncated) and two copies of every block."""
+        record = self.records[index]
+        context = len(record["prompt_ids"])
+        if self.max_context_tokens is not None:
+            context = min(context, self.max_context_tokens)
+        return context + 2 * sum(len(states[-1]) for states in record_blocks(record))
+
     def __getitem__(self, key: tuple[int, int]) -> dict:
         index, epoch = key
         record = self.records[index]

@@ -90,6 +90,15 @@ class _Items(Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
+    def length(self, index: int) -> int:
+        """Item ``index``'s tokens: its context (as truncated) and block, without building it."""
+        r, b = self.items[index]
+        record = self.records[r]
+        context = len(record["prompt_ids"]) + sum(len(block["states"][-1]) for block in record["blocks"][:b])
+        if self.max_context_tokens is not None:
+            context = min(context, self.max_context_tokens)
+        return context + len(record["blocks"][b]["states"][-1])
+
     def __getitem__(self, key: tuple[int, int]) -> dict:
         index, epoch = key
         r, b = self.items[index]
@@ -103,17 +112,34 @@ class _Items(Dataset):
 
 class EpochSampler(EpochOrder):
     """Yields (index, epoch): a permutation seeded by (seed, epoch) when shuffling; the items in order with epoch 0
-    otherwise (validation sees the same states every time)."""
+    otherwise (validation sees the same states every time).
 
-    def __init__(self, size: int, seed: int = 0, shuffle: bool = True, rank: int = 0, world: int = 1):
+    With ``lengths`` (each item's tokens) the permutation is bucketed by length, as transformers' ``group_by_length``
+    does: each run of ``window`` steps' items (``step``: the items of one optimizer step over all ranks) is sorted by
+    length and cut into steps, and the steps are shuffled (a last, partial one stays last, so every batch keeps its
+    items). A step's items are about as long, so a batch pads to little more than its own tokens."""
+
+    def __init__(self, size: int, seed: int = 0, shuffle: bool = True, rank: int = 0, world: int = 1,
+                 lengths: list[int] | None = None, step: int = 1, window: int = 50):
         super().__init__(size, rank, world)
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.lengths, self.step, self.window = seed, shuffle, lengths, step, window
 
     def order(self, epoch: int) -> list[tuple[int, int]]:
         if not self.shuffle:
             return [(i, 0) for i in range(self.size)]
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-        return [(i, epoch) for i in torch.randperm(self.size, generator=generator).tolist()]
+        order = torch.randperm(self.size, generator=generator).tolist()
+        if self.lengths is not None:
+            order = self._bucketed(order, generator)
+        return [(i, epoch) for i in order]
+
+    def _bucketed(self, order: list[int], generator: torch.Generator) -> list[int]:
+        steps, run = [], self.step * self.window
+        for start in range(0, len(order), run):
+            part = sorted(order[start: start + run], key=lambda i: self.lengths[i])
+            steps += [part[k: k + self.step] for k in range(0, len(part), self.step)]
+        last = [steps.pop()] if steps and len(steps[-1]) < self.step else []
+        return [i for k in torch.randperm(len(steps), generator=generator).tolist() for i in steps[k]] + sum(last, [])
 
 
 class JacobiTrajectories(L.LightningDataModule):
@@ -129,26 +155,30 @@ class JacobiTrajectories(L.LightningDataModule):
         ar_target: ``generated`` (the target's answer l, eq. 6) or ``dataset`` (the reference answer).
         metric: the task metric callbacks score decoded answers with (``lit_spec.data.metrics``), or null.
         max_train_records: train on the first this many kept train records only (trajectory-set size ablations).
+        length_buckets: train batches bucketed by length over runs of this many steps (``EpochSampler``), or null:
+            batches drawn as they come, each padded to its longest item.
         num_workers, seed: data loading; the seed of the shuffling and of the states drawn.
     """
 
     def __init__(self, tokenizer=None, path: str | None = None, collect: list[str] | None = None,
                  cache_dir: str | None = None, batch_size: int = 8, eval_batch_size: int | None = None,
                  use_augmented: bool = True, max_context_tokens: int | None = None, ar_target: str = "generated",
-                 metric: str | None = None, max_train_records: int | None = None, num_workers: int = 0,
-                 seed: int = 0):
+                 metric: str | None = None, max_train_records: int | None = None, length_buckets: int | None = 50,
+                 num_workers: int = 0, seed: int = 0):
         super().__init__()
         if ar_target not in AR_TARGETS:
             raise ConfigError(f"data.ar_target={ar_target!r}: choose one of {list(AR_TARGETS)}")
         check_loader_counts(batch_size, eval_batch_size, num_workers)
         check_count("data.max_context_tokens", max_context_tokens, optional=True)
         check_count("data.max_train_records", max_train_records, optional=True)
+        check_count("data.length_buckets", length_buckets, optional=True)
         if metric is not None:
             get_metric(metric)
         self.tokenizer, self.path = tokenizer, path
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.use_augmented, self.max_context_tokens, self.ar_target = use_augmented, max_context_tokens, ar_target
         self.metric, self.max_train_records, self.num_workers, self.seed = metric, max_train_records, num_workers, seed
+        self.length_buckets = length_buckets
         self.source = CollectionSource(path, "Jacobi trajectories")
         self.records: dict[str, list[dict]] | None = None
 
@@ -205,8 +235,11 @@ class JacobiTrajectories(L.LightningDataModule):
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         items = self.items(split)
         loader = ResumableLoader if shuffle else DataLoader
-        return loader(items, batch_size=self.batch_size if shuffle else self.eval_batch_size,
-                      sampler=EpochSampler(len(items), self.seed, shuffle, *data_parallel_rank(self)),
+        rank, world = data_parallel_rank(self)
+        lengths = [items.length(i) for i in range(len(items))] if self.length_buckets else None
+        sampler = EpochSampler(len(items), self.seed, shuffle, rank, world, lengths, self.batch_size * world,
+                               self.length_buckets)
+        return loader(items, batch_size=self.batch_size if shuffle else self.eval_batch_size, sampler=sampler,
                       collate_fn=self.collate,
                       num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 

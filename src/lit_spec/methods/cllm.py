@@ -80,15 +80,17 @@ class CLLMModule(ConsistencyModule):
     def _losses(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         hp = self.hparams
         inputs, labels = self._ar_sequence(batch)
-        ar_logits = self.model(**inputs).logits
-        if hp.consistency == "global" and hp.ar_sequence == "block":
-            teacher = ar_logits.detach()            # c + y*: θ− = stopgrad(θ) on the AR term's own forward
+        # logits at t predict token t+1; the mask marks the t's of the block's predictions (eq. 4 / 5)
+        compared, attention = batch["consistency_mask"], batch["attention_mask"]
+        shared = hp.consistency == "global" and hp.ar_sequence == "block"   # c + y*: the AR term's and θ−'s input
+        ar_logits, ar_columns = self._logits(self.model, (labels != IGNORE_INDEX) | (compared & shared), **inputs)
+        student, columns = self._logits(self.model, compared, input_ids=batch["input_ids"], attention_mask=attention)
+        if shared:
+            teacher = ar_logits.detach()[:, torch.searchsorted(ar_columns, columns)]   # θ− = stopgrad(θ)
         else:
             teacher_ids = batch["teacher_ids"] if hp.consistency == "global" else batch["local_teacher_ids"]
             with torch.no_grad():  # θ− = stopgrad(θ): the same model, no graph
-                teacher = self.model(input_ids=teacher_ids, attention_mask=batch["attention_mask"]).logits
-        student = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        # logits at position t predict token t+1; the mask marks the t's of the block's predictions (eq. 4 / 5)
-        consistency = losses.distance(student, teacher, batch["consistency_mask"], hp.distance, hp.jsd_beta,
+                teacher, _ = self._logits(self.model, compared, input_ids=teacher_ids, attention_mask=attention)
+        consistency = losses.distance(student, teacher, compared[:, columns], hp.distance, hp.jsd_beta,
                                       hp.consistency_reduction)
-        return consistency, self._ar(ar_logits, labels, **inputs)    # eq. 6 as a mean over its tokens
+        return consistency, self._ar(ar_logits, labels, ar_columns, **inputs)    # eq. 6 as a mean over its tokens

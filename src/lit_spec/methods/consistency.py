@@ -78,17 +78,26 @@ class ConsistencyModule(MethodModule):
         pairs = F.pad(prompt[:, :-1] & prompt[:, 1:], (0, 1), value=False)
         return torch.where(pairs, F.pad(ids[:, 1:], (0, 1)), labels)
 
-    def _ar(self, logits: torch.Tensor, labels: torch.Tensor, **inputs) -> torch.Tensor:
-        """L_AR at the positions ``labels`` marks (``logits[t]`` predicts ``labels[t]``): the mean cross-entropy of
-        the labels (eq. 6; label-smoothed by ε), or the mean forward KL from the original model's distribution there,
-        the original run on the same ``inputs``; 0 in the graph when no position is marked."""
+    @staticmethod
+    def _logits(model: torch.nn.Module, read: torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``model``'s logits [B, K, V] at the K columns where ``read`` [B, T] marks a row, and those columns: the LM
+        head runs there alone (transformers' ``logits_to_keep``), so a position no loss reads costs it nothing."""
+        columns = read.any(0).nonzero()[:, 0]
+        return model(**inputs, logits_to_keep=columns).logits, columns
+
+    def _ar(self, logits: torch.Tensor, labels: torch.Tensor, columns: torch.Tensor, **inputs) -> torch.Tensor:
+        """L_AR at the positions ``labels`` marks (``logits`` at ``columns`` of them; ``logits[t]`` predicts
+        ``labels[t]``): the mean cross-entropy of the labels (eq. 6; label-smoothed by ε), or the mean forward KL
+        from the original model's distribution there, the original run on the same ``inputs``; 0 in the graph when
+        no position is marked."""
+        labels = labels[:, columns]
         at = labels != IGNORE_INDEX
         if not at.any():
             return logits.sum() * 0.0
         if self.hparams.ar_teacher == "labels":
             return F.cross_entropy(logits[at].float(), labels[at], label_smoothing=self.hparams.label_smoothing)
         with torch.no_grad():
-            original = self.original(**inputs).logits
+            original = self.original(**inputs, logits_to_keep=columns).logits
         return losses.pointwise(logits[at], original[at], "forward_kl").mean()
 
     def _losses(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

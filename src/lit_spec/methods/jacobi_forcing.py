@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from lit_spec.data import NoisyTrajectoryDataModule
+from lit_spec.data import IGNORE_INDEX, NoisyTrajectoryDataModule
 from lit_spec.decoding.jacobi import JacobiDecoder
 from lit_spec.decoding.masks import CONTEXT, attention_mask, noise_aware
 from lit_spec.decoding.multiblock import MultiBlockDecoder, check_settings
@@ -63,15 +63,17 @@ class JacobiForcingModule(ConsistencyModule):
         visible = noise_aware(batch["streams"], batch["position_ids"])
         none_before = visible.new_zeros(visible.size(0), 0)        # no cache: the whole mask is the block's
         mask = attention_mask(none_before, visible, next(self.model.parameters()).dtype)
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=mask,
-                            position_ids=batch["position_ids"]).logits
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": batch["position_ids"]}
+        labels = self._ar_labels(batch["labels"], batch["input_ids"], batch["streams"] == CONTEXT)
         row, noisy, clean, block = batch["pairs"].unbind(-1)
+        read = labels != IGNORE_INDEX
+        read[row, noisy] = True
+        read[row, clean] = True
+        logits, columns = self._logits(self.model, read, **inputs)
+        noisy, clean = torch.searchsorted(columns, noisy), torch.searchsorted(columns, clean)
         d = losses.pointwise(logits[row, noisy], logits[row, clean], hp.distance, hp.jsd_beta)
         consistency = self._reduce(d, row, block, batch["blocks"], logits)
-        labels = self._ar_labels(batch["labels"], batch["input_ids"], batch["streams"] == CONTEXT)
-        ar = self._ar(logits, labels, input_ids=batch["input_ids"], attention_mask=mask,
-                      position_ids=batch["position_ids"])
-        return consistency, ar
+        return consistency, self._ar(logits, labels, columns, **inputs)
 
     def _reduce(self, d: torch.Tensor, row: torch.Tensor, block: torch.Tensor, blocks: torch.Tensor,
                 like: torch.Tensor) -> torch.Tensor:
