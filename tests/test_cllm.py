@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from omegaconf import open_dict
 from transformers import AutoModelForCausalLM
 
@@ -408,6 +409,47 @@ def test_the_ar_term_fits_the_labels_or_the_original_distribution():
         module.model.lm_head.weight.sub_(0.5 * module.model.lm_head.weight.grad)
     assert module._losses(batch)[1].item() < ar.item()
     assert all(module.original.state_dict()[k].equal(v) for k, v in moved.items() if "lm_head" not in k)
+
+
+def test_packed_cllm_is_the_per_block_step_in_one_forward():
+    """One packed record (``method=cllm_packed``) against plain forwards of CLLM's per-block items with the same
+    student states: each noisy block's logits are the student's c + y, each clean block's the teacher's c + y*, so the
+    terms (Σ KL over the compared pairs / K / T; the AR cross-entropy over prompt + answer) and their gradients
+    follow from the per-block forwards."""
+    from random_models import random_model
+
+    from lit_spec.data import NoisyTrajectoryDataModule
+    from lit_spec.data.noisy_trajectories import packed_item
+    from lit_spec.methods import PackedCLLMModule
+
+    prompt, blocks, students = [40, 41], [[[5, 1], [5, 6]], [[2, 3], [7, 3], [7, 8]]], [[5, 1], [2, 3]]
+    batch = NoisyTrajectoryDataModule(path="unused").collate([packed_item(prompt, blocks, students)])
+    module = PackedCLLMModule(SimpleNamespace(to_dict=dict), n_tokens=2)
+    module.model = random_model().train()
+    consistency, ar = module._losses(batch)
+    (consistency + 10 * ar).backward()
+    got = {k: p.grad.clone() for k, p in module.model.named_parameters()}
+    module.model.zero_grad()
+
+    model, kls, context = module.model, [], list(prompt)
+    for states, student in zip(blocks, students):
+        fixed = states[-1]
+        q = model(torch.tensor([context + student])).logits[0]
+        with torch.no_grad():
+            p = model(torch.tensor([context + fixed])).logits[0]
+        first_wrong = next(t for t in range(2) if student[t] != fixed[t])
+        for t in range(first_wrong, 2):        # the logits at the noisy tokens, from the first wrong one on
+            at = len(context) + t
+            kls.append((p[at].softmax(-1) * (p[at].log_softmax(-1) - q[at].log_softmax(-1))).sum())
+        context += fixed
+    answer = model(torch.tensor([context])).logits[0]
+    ce = F.cross_entropy(answer[:-1], torch.tensor(context[1:]))
+    hand = sum(kls) / len(kls) / len(blocks)
+    assert (consistency.item(), ar.item()) == pytest.approx([hand.item(), ce.item()], rel=1e-5)
+    (hand + 10 * ce).backward()
+    for name, param in model.named_parameters():
+        assert torch.allclose(got[name], param.grad, rtol=1e-4, atol=1e-5), name
+    assert list(module.decoders()) == ["jacobi"]
 
 
 def test_a_run_that_distils_from_the_original_checkpoints_without_it_and_resumes(tmp_path):

@@ -45,7 +45,7 @@ def test_a_records_blocks_as_collected():
 def test_packed_sequence_of_a_known_record():
     # two blocks of 2 after a 2-token context; block 0 noisy from its 2nd token, block 1 from its 1st
     blocks = [[[5, 1], [5, 6]], [[2, 3], [7, 3], [7, 8]]]
-    item = packed_item([40, 41], blocks, [1.0, 1.0])
+    item = packed_item([40, 41], blocks, [pick_state(b, 1.0) for b in blocks])
     assert item["ids"] == [40, 41, 5, 1, 5, 6, 2, 3, 7, 8]
     assert item["positions"] == [0, 1, 2, 3, 2, 3, 4, 5, 4, 5]
     assert item["streams"] == [CONTEXT] * 2 + [NOISY] * 2 + [CLEAN] * 2 + [NOISY] * 2 + [CLEAN] * 2
@@ -54,12 +54,12 @@ def test_packed_sequence_of_a_known_record():
     # (noisy, clean, block) from each noisy block's first wrong token to its end (the answer's last position too,
     # as the authors' code keeps it); T = 2 blocks
     assert item["pairs"] == [(3, 5, 0), (6, 8, 1), (7, 9, 1)] and item["blocks"] == 2
-    clean = packed_item([40, 41], blocks, [0.0, 0.0])                  # ratio 0: the fixed points, nothing to learn
+    clean = packed_item([40, 41], blocks, [b[-1] for b in blocks])     # ratio 0: the fixed points, nothing to learn
     assert clean["ids"][2:4] == [5, 6] and clean["pairs"] == []
 
 
 def test_noise_aware_mask_position_by_position():
-    item = packed_item([40, 41], [[[5, 1], [5, 6]], [[2, 3], [7, 8]]], [1.0, 1.0])
+    item = packed_item([40, 41], [[[5, 1], [5, 6]], [[2, 3], [7, 8]]], [[5, 1], [2, 3]])
     streams = torch.tensor([item["streams"] + [PADDING]])
     positions = torch.tensor([item["positions"] + [0]])
     expected = ["10000000000",   # context: causal
@@ -75,6 +75,12 @@ def test_noise_aware_mask_position_by_position():
                 "00000000001"]   # padding: itself only
     got = noise_aware(streams, positions)[0].int().tolist()
     assert ["".join(map(str, row)) for row in got] == expected
+    # packed CLLM: a noisy block reads the context, the clean blocks before it and itself (c + y)
+    expected[6:8] = ["11001110000",  # k_1: the context, all of l_0, causal in k_1
+                     "11001111000"]
+    got = noise_aware(streams, positions, torch.tensor([item["block_ids"] + [-1]]))[0].int().tolist()
+    assert ["".join(map(str, row)) for row in got] == expected
+    assert item["block_ids"] == [-1, -1, 0, 0, 0, 0, 1, 1, 1, 1]
 
 
 PAPER = {"consistency_reduction": "sum", "ar_prompt": False}
@@ -99,7 +105,7 @@ def test_losses_of_one_forward_equal_the_formulas_on_plain_forwards(paper):
     records = [(list(range(10, 14)), [[[20, 3], [20, 21]], [[4, 5], [22, 5], [22, 23]], [[6, 7], [24, 25]]]),
                ([30, 31], [[[32, 9], [32, 33]], [[8, 8], [34, 35]]])]
     dm = NoisyTrajectoryDataModule(path="unused")
-    batch = dm.collate([packed_item(c, b, [1.0] * len(b)) for c, b in records])
+    batch = dm.collate([packed_item(c, b, [pick_state(x, 1.0) for x in b]) for c, b in records])
     module = _micro_module(**(PAPER if paper else {}))
     consistency, ar = module._losses(batch)
     (consistency + 10.0 * ar).backward()
@@ -136,7 +142,7 @@ def test_losses_of_one_forward_equal_the_formulas_on_plain_forwards(paper):
 
 def test_a_batch_without_pairs_still_has_an_ar_loss():
     dm = NoisyTrajectoryDataModule(path="unused")
-    batch = dm.collate([packed_item([10, 11], [[[20, 21]]], [0.0])])
+    batch = dm.collate([packed_item([10, 11], [[[20, 21]]], [[20, 21]])])
     consistency, ar = _micro_module()._losses(batch)
     assert consistency.item() == 0.0 and consistency.requires_grad and math.isfinite(ar.item()) and ar.item() > 0
 
@@ -209,6 +215,24 @@ def test_jacobi_forcing_trains_end_to_end(tmp_path):
     module.configure_model()
     decoders = module.decoders()
     assert sorted(decoders) == ["jacobi", "multiblock"] and decoders["multiblock"].n_tokens == 3
+
+
+def test_packed_cllm_draws_its_students_as_cllm_and_trains(tmp_path):
+    """``noise_schedule=uniform``: each block's noisy state is one of CLLM's student states (augmented ones too),
+    drawn anew each epoch; ``method=cllm_packed`` trains on those items end to end."""
+    from lit_spec.data.trajectory_data import student_pool
+
+    traj = write_trajectories(tmp_path / "traj", train=4)
+    dm = NoisyTrajectoryDataModule(path=str(traj), noise_schedule="uniform")
+    dm.setup()
+    items, record = dm.items("train"), dm.records["train"][0]
+    drawn = {tuple(items.noisy_states(record, 0, epoch)[0]) for epoch in range(12)}
+    assert drawn == {tuple(state) for state, _ in student_pool(record["blocks"][0])}   # 3 states + 1 augmented
+    assert items.noisy_states(record, 0, 5)[1] == [300, 301]                           # at its fixed point already
+
+    metrics = run_training(_run(tmp_path, traj, "cllm_packed", "noisy_trajectories", "data.noise_schedule=uniform"))
+    assert metrics["global_step"] == 4
+    assert max(_logged(tmp_path / "run", "train/consistency")) > 0
 
 
 def test_progressive_rounds_are_stages_in_order(tmp_path):

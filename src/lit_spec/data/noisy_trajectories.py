@@ -25,13 +25,12 @@ import torch
 from torch.utils.data import Dataset
 
 from lit_spec.data.datamodule import IGNORE_INDEX
-from lit_spec.data.trajectory_data import JacobiTrajectories, item_generator
-from lit_spec.decoding.masks import CONTEXT, PADDING
+from lit_spec.data.trajectory_data import JacobiTrajectories, item_generator, student_pool
+from lit_spec.decoding.masks import CLEAN, CONTEXT, NOISY, PADDING
 from lit_spec.decoding.verify import greedy_accept_length
 from lit_spec.errors import ConfigError, check_count
 
-NOISY, CLEAN = 1, 2                        # the two streams of ``masks.noise_aware`` besides the context
-NOISE_SCHEDULES = ("progressive", "random")
+NOISE_SCHEDULES = ("progressive", "random", "uniform")
 
 
 def record_blocks(record: dict) -> list[list[list[int]]]:
@@ -55,28 +54,31 @@ def pick_state(states: list[list[int]], ratio: float) -> list[int]:
     return min(states, key=lambda s: abs(unconverged(s, fixed) - ratio))
 
 
-def packed_item(context: list[int], blocks: list[list[list[int]]], ratios: list[float]) -> dict:
-    """Token lists of one sequence: ids, positions, streams, labels and the consistency pairs (see the module doc)."""
+def packed_item(context: list[int], blocks: list[list[list[int]]], noisy: list[list[int]]) -> dict:
+    """Token lists of one sequence: ids, positions, streams, block ids, labels and the consistency pairs (see the
+    module doc); ``noisy``: each block's noisy state."""
     item = {"ids": list(context), "positions": list(range(len(context))), "streams": [CONTEXT] * len(context),
-            "labels": [IGNORE_INDEX] * len(context), "pairs": [], "blocks": len(blocks)}
+            "block_ids": [-1] * len(context), "labels": [IGNORE_INDEX] * len(context), "pairs": [],
+            "blocks": len(blocks)}
 
-    def append(stream: int, tokens: list[int], start: int) -> int:
+    def append(stream: int, tokens: list[int], start: int, block: int) -> int:
         at = len(item["ids"])
         item["ids"] += tokens
         item["positions"] += range(start, start + len(tokens))
         item["streams"] += [stream] * len(tokens)
+        item["block_ids"] += [block] * len(tokens)
         item["labels"] += [IGNORE_INDEX] * len(tokens)
         return at
 
     last_clean = len(context) - 1                    # the position whose logits predict the next answer token
-    for j, (states, ratio) in enumerate(zip(blocks, ratios)):
-        fixed, noisy = states[-1], pick_state(states, ratio)
+    for j, (states, state) in enumerate(zip(blocks, noisy)):
+        fixed = states[-1]
         start = item["positions"][-1] + 1 if item["positions"] else 0
-        noisy_at, clean_at = append(NOISY, noisy, start), append(CLEAN, fixed, start)
+        noisy_at, clean_at = append(NOISY, state, start, j), append(CLEAN, fixed, start, j)
         for at, token in zip([last_clean] + list(range(clean_at, clean_at + len(fixed) - 1)), fixed):
             item["labels"][at] = token
         last_clean = clean_at + len(fixed) - 1
-        first_wrong = greedy_accept_length(noisy, fixed)
+        first_wrong = greedy_accept_length(state, fixed)
         item["pairs"] += [(noisy_at + t, clean_at + t, j) for t in range(first_wrong, len(fixed))]
     return item
 
@@ -84,9 +86,10 @@ def packed_item(context: list[int], blocks: list[list[list[int]]], ratios: list[
 class _Records(Dataset):
     """One packed item per record with a trajectory; ``dataset[(index, epoch)]`` (``random`` draws per epoch)."""
 
-    def __init__(self, records: list[dict], window: int, schedule: str, seed: int, max_context_tokens: int | None):
+    def __init__(self, records: list[dict], window: int, schedule: str, seed: int, max_context_tokens: int | None,
+                 use_augmented: bool):
         self.ratios, self.schedule, self.seed = noise_ratios(window), schedule, seed
-        self.max_context_tokens = max_context_tokens
+        self.max_context_tokens, self.use_augmented = max_context_tokens, use_augmented
         self.records = [r for r in records if any(b["states"][-1] for b in r["blocks"])]
 
     def __len__(self) -> int:
@@ -103,25 +106,33 @@ class _Records(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> dict:
         index, epoch = key
         record = self.records[index]
-        blocks = record_blocks(record)
-        w = len(self.ratios)
-        if self.schedule == "progressive":
-            picks = [j % w for j in range(len(blocks))]
-        else:
-            generator = item_generator(self.seed, epoch, index)
-            picks = torch.randint(w, (len(blocks),), generator=generator).tolist()
         context = record["prompt_ids"]
         if self.max_context_tokens is not None:
             context = context[-self.max_context_tokens:]
-        return packed_item(context, blocks, [self.ratios[i] for i in picks])
+        return packed_item(context, record_blocks(record), self.noisy_states(record, index, epoch))
+
+    def noisy_states(self, record: dict, index: int, epoch: int) -> list[list[int]]:
+        """Each block's noisy state under the schedule: by ratio, or drawn as CLLM draws its students (``uniform``:
+        any state but the fixed point, the augmented ones too with ``use_augmented``)."""
+        blocks, generator = record_blocks(record), item_generator(self.seed, epoch, index)
+        if self.schedule == "uniform":
+            pools = [[state for state, _ in student_pool(b, self.use_augmented)] for b in record["blocks"]
+                     if b["states"][-1]]
+            return [pool[int(torch.randint(len(pool), (1,), generator=generator))] for pool in pools]
+        w = len(self.ratios)
+        picks = ([j % w for j in range(len(blocks))] if self.schedule == "progressive"
+                 else torch.randint(w, (len(blocks),), generator=generator).tolist())
+        return [pick_state(states, self.ratios[i]) for states, i in zip(blocks, picks)]
 
 
 class NoisyTrajectoryDataModule(JacobiTrajectories):
-    """Args (besides ``JacobiTrajectories``'; ``batch_size`` counts records, ``use_augmented`` is not read):
+    """Args (besides ``JacobiTrajectories``'; ``batch_size`` counts records, ``use_augmented`` is read by
+    ``uniform``):
         block_size: n, the training block size (``method.n_tokens``): the collected one; null: that one.
         noise_window: w, the ratios of the progressive schedule (the paper's data: n = 32, w = 16).
-        noise_schedule: ``progressive`` (t_j = W[j mod w], the paper's) or ``random`` (a ratio of W per block and
-            epoch).
+        noise_schedule: ``progressive`` (t_j = W[j mod w], the paper's), ``random`` (a ratio of W per block and
+            epoch) or ``uniform`` (any state of the block's trajectory, per epoch: CLLM's Algorithm 2, for
+            ``method=cllm_packed``).
     """
 
     def __init__(self, block_size: int | None = None, noise_window: int = 16, noise_schedule: str = "progressive",
@@ -139,13 +150,14 @@ class NoisyTrajectoryDataModule(JacobiTrajectories):
     def items(self, split: str) -> Dataset:
         self.check_block_size(self.block_size or self.n_tokens)
         return _Records(self.records[split], self.noise_window, self.noise_schedule, self.seed,
-                        self.max_context_tokens)
+                        self.max_context_tokens, self.use_augmented)
 
     def collate(self, items: list[dict]) -> dict:
         rows, width = len(items), max(len(it["ids"]) for it in items)
         batch = {"input_ids": torch.full((rows, width), self.pad_token_id, dtype=torch.long),
                  "position_ids": torch.zeros((rows, width), dtype=torch.long),
                  "streams": torch.full((rows, width), PADDING, dtype=torch.long),
+                 "block_ids": torch.full((rows, width), -1, dtype=torch.long),
                  "labels": torch.full((rows, width), IGNORE_INDEX, dtype=torch.long),
                  "attention_mask": torch.zeros((rows, width), dtype=torch.long)}
         batch["blocks"] = torch.tensor([it["blocks"] for it in items], dtype=torch.long)
@@ -153,7 +165,7 @@ class NoisyTrajectoryDataModule(JacobiTrajectories):
         for i, it in enumerate(items):
             size = len(it["ids"])
             for key, seq in (("input_ids", "ids"), ("position_ids", "positions"), ("streams", "streams"),
-                             ("labels", "labels")):
+                             ("block_ids", "block_ids"), ("labels", "labels")):
                 batch[key][i, :size] = torch.tensor(it[seq], dtype=torch.long)
             batch["attention_mask"][i, :size] = 1
             base = max((p[3] for p in pairs), default=-1) + 1        # block ids unique in the batch

@@ -4,7 +4,8 @@ A block of ``q`` new tokens attends to (a) the valid positions of the cache (``p
 by rejected tokens are False) and (b) the new tokens it may see (``visible``: [q, q] or [B, q, q] booleans). The
 result is the additive float mask transformers accepts with ``position_ids`` ([B, 1, q, past + q], 0 or -inf).
 Positions are ``start + depth``: tokens at the same depth (tree siblings, parallel branches) share a position.
-``noise_aware`` is the training-side mask of Jacobi Forcing: several streams packed in one sequence.
+``noise_aware`` is the training-side mask of Jacobi Forcing and packed CLLM: several streams packed in one
+sequence.
 """
 
 from __future__ import annotations
@@ -52,16 +53,26 @@ def attention_mask(past_valid: torch.Tensor, visible: torch.Tensor, dtype: torch
     return mask[:, None]
 
 
-CONTEXT, PADDING = 0, -1     # streams of ``noise_aware``: the shared context, padding; other ids name a stream each
+CONTEXT, PADDING = 0, -1     # streams of ``noise_aware``: the shared context, padding
+NOISY, CLEAN = 1, 2          # the packed blocks' two copies: a noisy state and the fixed point
 
 
-def noise_aware(streams: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def noise_aware(streams: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Jacobi Forcing's noise-aware causal mask (paper Fig. 6: clean and noisy blocks packed in one sequence) as
     [B, L, L] booleans (query, key) from each token's stream and position id ([B, L] each): a token sees the context
     and its own stream up to its position; the context sees only itself (causal), padding only itself. So the clean
-    stream is plain teacher-forced AR over the answer, and the noisy stream reads noisy blocks only."""
+    stream is plain teacher-forced AR over the answer, and the noisy stream reads noisy blocks only.
+
+    With ``blocks`` ([B, L]: each token's block), a noisy token reads the clean blocks before its own and its own
+    noisy block instead: CLLM's student input c + y, every block of a record in one sequence (the authors' later
+    CLLM trainer, JacobiForcing ``soft_flexattn_cllm_trainer.py``)."""
     query, key = streams[:, :, None], streams[:, None, :]
     earlier = positions[:, None, :] <= positions[:, :, None]
     same = (key == query) | ((key == CONTEXT) & (query != PADDING))
+    visible = same & earlier
+    if blocks is not None:
+        own, before = blocks[:, None, :] == blocks[:, :, None], blocks[:, None, :] < blocks[:, :, None]
+        reads = (key == CONTEXT) | ((key == NOISY) & own & earlier) | ((key == CLEAN) & before)
+        visible = torch.where(query == NOISY, reads, visible)
     eye = torch.eye(streams.size(1), dtype=torch.bool, device=streams.device)
-    return (same & earlier & (query != PADDING)) | (eye & (query == PADDING))
+    return (visible & (query != PADDING)) | (eye & (query == PADDING))

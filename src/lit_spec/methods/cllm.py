@@ -25,6 +25,7 @@ from lit_spec.decoding.jacobi import JacobiDecoder
 from lit_spec.errors import ConfigError
 from lit_spec.methods import losses
 from lit_spec.methods.consistency import ConsistencyModule
+from lit_spec.methods.jacobi_forcing import PackedConsistencyModule
 
 CONSISTENCY = ("global", "local")
 AR_SEQUENCES = ("block", "answer")
@@ -94,3 +95,16 @@ class CLLMModule(ConsistencyModule):
         consistency = losses.distance(student, teacher, compared[:, columns], hp.distance, hp.jsd_beta,
                                       hp.consistency_reduction)
         return consistency, self._ar(ar_logits, labels, ar_columns, **inputs)    # eq. 6 as a mean over its tokens
+
+
+class PackedCLLMModule(PackedConsistencyModule):
+    """``method=cllm_packed``: CLLM in one forward per record, as the authors' later CLLM trainer runs it
+    (hao-ai-lab/JacobiForcing ``train/soft_flexattn_cllm_trainer.py``). Every block's student state y (drawn as
+    Algorithm 2 draws it: ``data.noise_schedule=uniform``) is packed after the prompt beside its fixed point y*, and
+    reads the prompt, the fixed points before it and itself: the student input c + y of eq. 4, whose teacher c + y*
+    is the clean copy in the same forward. One forward per record instead of one per block, and the AR term over the
+    clean stream, prompt + l, once. The terms are Jacobi Forcing's (``jacobi_forcing`` module doc); the export is a
+    plain HF model that decodes with ``jacobi``."""
+
+    noisy_reads_clean = True
+    data_configs = "data=noisy_trajectories data.noise_schedule=uniform (every block of a record packed in one item)"

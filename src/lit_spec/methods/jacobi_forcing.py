@@ -35,32 +35,21 @@ from lit_spec.methods import losses
 from lit_spec.methods.consistency import ConsistencyModule
 
 
-class JacobiForcingModule(ConsistencyModule):
-    """Args (besides ``ConsistencyModule``'s: n_tokens, the block size trained and decoded; distance; ar_weight, ω):
-        blocks, spawn_ratio, pool_size: the ``multiblock`` decoder's K, r and rejection-recycling pool
-            (``conf/decoding/multiblock.yaml``).
-    """
+class PackedConsistencyModule(ConsistencyModule):
+    """The one-forward step over packed (noisy, clean) blocks that Jacobi Forcing and packed CLLM share (the module
+    doc's terms); a subclass says what a noisy block reads (``noisy_reads_clean``: the clean blocks before it, CLLM's
+    context c; else the noisy ones, Jacobi Forcing's) and offers its decoders."""
 
     datamodule_class = NoisyTrajectoryDataModule
-    data_configs = ("data=noisy_trajectories (the Jacobi trajectories of data=trajectories, packed with noisy "
-                    "blocks; noisy_trajectories_tiny: the offline default's)")
-
-    def __init__(self, model_spec, n_tokens: int = 16, distance: str = "forward_kl", jsd_beta: float = 0.5,
-                 ar_weight: float = 10.0, blocks: int = 2, spawn_ratio: float = 0.85, pool_size: int = 4, **kwargs):
-        decoder = {"blocks": blocks, "spawn_ratio": spawn_ratio, "pool_size": pool_size}
-        check_settings(n_tokens, prefix="method.", **decoder)   # bad decoder settings fail before training
-        super().__init__(model_spec, n_tokens=n_tokens, distance=distance, jsd_beta=jsd_beta, ar_weight=ar_weight,
-                         **decoder, **kwargs)
+    noisy_reads_clean = False
 
     def decoders(self) -> dict:
-        hp = self.hparams
-        return {"jacobi": JacobiDecoder(self.model, n_tokens=hp.n_tokens),
-                "multiblock": MultiBlockDecoder(self.model, n_tokens=hp.n_tokens, blocks=hp.blocks,
-                                                spawn_ratio=hp.spawn_ratio, pool_size=hp.pool_size)}
+        return {"jacobi": JacobiDecoder(self.model, n_tokens=self.hparams.n_tokens)}
 
     def _losses(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         hp = self.hparams
-        visible = noise_aware(batch["streams"], batch["position_ids"])
+        visible = noise_aware(batch["streams"], batch["position_ids"],
+                              batch["block_ids"] if self.noisy_reads_clean else None)
         none_before = visible.new_zeros(visible.size(0), 0)        # no cache: the whole mask is the block's
         mask = attention_mask(none_before, visible, next(self.model.parameters()).dtype)
         inputs = {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": batch["position_ids"]}
@@ -84,3 +73,26 @@ class JacobiForcingModule(ConsistencyModule):
         rows = len(blocks)
         pairs = losses.group_sums(torch.ones_like(d), row, rows).clamp(min=1)
         return (losses.group_sums(d, row, rows) / pairs / blocks).mean()
+
+
+class JacobiForcingModule(PackedConsistencyModule):
+    """Args (besides ``ConsistencyModule``'s: n_tokens, the block size trained and decoded; distance; ar_weight, ω):
+        blocks, spawn_ratio, pool_size: the ``multiblock`` decoder's K, r and rejection-recycling pool
+            (``conf/decoding/multiblock.yaml``).
+    """
+
+    data_configs = ("data=noisy_trajectories (the Jacobi trajectories of data=trajectories, packed with noisy "
+                    "blocks; noisy_trajectories_tiny: the offline default's)")
+
+    def __init__(self, model_spec, n_tokens: int = 16, distance: str = "forward_kl", jsd_beta: float = 0.5,
+                 ar_weight: float = 10.0, blocks: int = 2, spawn_ratio: float = 0.85, pool_size: int = 4, **kwargs):
+        decoder = {"blocks": blocks, "spawn_ratio": spawn_ratio, "pool_size": pool_size}
+        check_settings(n_tokens, prefix="method.", **decoder)   # bad decoder settings fail before training
+        super().__init__(model_spec, n_tokens=n_tokens, distance=distance, jsd_beta=jsd_beta, ar_weight=ar_weight,
+                         **decoder, **kwargs)
+
+    def decoders(self) -> dict:
+        hp = self.hparams
+        return {"jacobi": JacobiDecoder(self.model, n_tokens=hp.n_tokens),
+                "multiblock": MultiBlockDecoder(self.model, n_tokens=hp.n_tokens, blocks=hp.blocks,
+                                                spawn_ratio=hp.spawn_ratio, pool_size=hp.pool_size)}
