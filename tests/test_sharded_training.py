@@ -47,6 +47,7 @@ METHODS = {"ar": (AR_JACOBI, "jacobi"),
            "ar_lora_checkpointing": ([*AR_JACOBI, "method.lora={r: 4, lora_alpha: 8}",
                                       "model.gradient_checkpointing=true"], "jacobi"),
            "cllm": ([], "jacobi"),
+           "cllm_packed": ([], "jacobi"),
            "jacobi_forcing": ([], "multiblock"),
            **{name: ([*args, *BASE_CHECK], name) for name, args in HEADS.items()},
            "draft_distill": (["method=draft_distill", *STUDENT, *BASE_CHECK], "speculative")}
@@ -55,16 +56,19 @@ LORA = ("ar_lora", "ar_lora_checkpointing")
 # Every method under the card's ZeRO-3 in fp32 and bf16, and in bf16 under every strategy. Where a strategy treats
 # two methods' trained parts alike, one of them stands for both: ZeRO-2 resumes a trained model (CLLM) and trained heads
 # (Medusa, standing for Chimera and Hidden Transfer, also under bf16 ZeRO-2 and DDP; the rehearsal runs those two under
-# DDP with a bf16 base). Jacobi Forcing: its batches differ from CLLM's, its sharded path does not. AR with LoRA
+# DDP with a bf16 base). Jacobi Forcing: its batches differ from CLLM's, its sharded path does not; packed CLLM runs
+# Jacobi Forcing's step, under the card's ZeRO-3 in bf16. AR with LoRA
 # adapters: in bf16 under the strategies that shard them, ZeRO-3 and FSDP2 (the fast suite checks its merge and
 # losslessness in fp32).
 ALIKE_HEADS = ("chimera", "hidden_transfer")
-MATRIX = [(m, "deepspeed_zero3") for m in METHODS if m not in LORA] + [
+MATRIX = [(m, "deepspeed_zero3") for m in METHODS if m not in (*LORA, "cllm_packed")] + [
     (m, "deepspeed_zero2") for m in ("cllm", "medusa")] + [(m, "fsdp") for m in ("ar", "cllm", "medusa")]
-BF16_MATRIX = [(m, s) for m in METHODS if m not in LORA for s in ("ddp", *ZERO, "fsdp")
+BF16_MATRIX = [(m, s) for m in METHODS if m not in (*LORA, "cllm_packed") for s in ("ddp", *ZERO, "fsdp")
                if not (m in ALIKE_HEADS and s in ("ddp", "deepspeed_zero2"))] + [
-    ("ar_lora", "deepspeed_zero3"), ("ar_lora", "fsdp"), ("ar_lora_checkpointing", "deepspeed_zero3")]
+    ("ar_lora", "deepspeed_zero3"), ("ar_lora", "fsdp"), ("ar_lora_checkpointing", "deepspeed_zero3"),
+    ("cllm_packed", "deepspeed_zero3")]
 TRAJECTORY_METHODS = {"cllm": ["data=trajectories"],
+                      "cllm_packed": ["data=noisy_trajectories", "data.noise_schedule=uniform"],
                       "jacobi_forcing": ["data=noisy_trajectories", "data.noise_window=2", "data.noise_schedule=random"]}
 
 

@@ -236,7 +236,7 @@ class JacobiTrajectories(L.LightningDataModule):
         items = self.items(split)
         loader = ResumableLoader if shuffle else DataLoader
         rank, world = data_parallel_rank(self)
-        lengths = [items.length(i) for i in range(len(items))] if self.length_buckets else None
+        lengths = [items.length(i) for i in range(len(items))] if self.length_buckets and shuffle else None
         sampler = EpochSampler(len(items), self.seed, shuffle, rank, world, lengths, self.batch_size * world,
                                self.length_buckets)
         return loader(items, batch_size=self.batch_size if shuffle else self.eval_batch_size, sampler=sampler,
