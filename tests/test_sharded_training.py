@@ -67,6 +67,9 @@ BF16_MATRIX = [(m, s) for m in METHODS if m not in (*LORA, "cllm_packed") for s 
                if not (m in ALIKE_HEADS and s in ("ddp", "deepspeed_zero2"))] + [
     ("ar_lora", "deepspeed_zero3"), ("ar_lora", "fsdp"), ("ar_lora_checkpointing", "deepspeed_zero3"),
     ("cllm_packed", "deepspeed_zero3")]
+# resumed in bf16 under ZeRO-3 (bf16 weights, fp32 masters): a trained model, trained heads, LoRA adapters; every
+# method resumes under fp32 ZeRO-3, which restores the same parts of its checkpoint
+BF16_RESUMES = ("cllm", "medusa", "ar_lora")
 TRAJECTORY_METHODS = {"cllm": ["data=trajectories"],
                       "cllm_packed": ["data=noisy_trajectories", "data.noise_schedule=uniform"],
                       "jacobi_forcing": ["data=noisy_trajectories", "data.noise_window=2", "data.noise_schedule=random"]}
@@ -241,9 +244,10 @@ def check_resume(first: Path, resumed: Path, run: list[str], method: str, rel: f
 @pytest.mark.parametrize("method, strategy", BF16_MATRIX)
 def test_method_trains_and_exports_in_bf16_mixed(method, strategy, tmp_path, micro_dirs):
     """The GPU's precision on 2 CPU processes: every method trains, measures and exports under every strategy with
-    the dtypes the precision policy states, and under the card's ZeRO-3 resumes. Greedy decoding is lossless in fp32
-    only (bf16's rounding differs between a one-token and a many-token forward), so the decoders are measured, not
-    held to exactness, here; the export is in the model's own dtype (fp32) and decodes losslessly."""
+    the dtypes the precision policy states, and under the card's ZeRO-3 resumes (``BF16_RESUMES``). Greedy decoding
+    is lossless in fp32 only (bf16's rounding differs between a one-token and a many-token forward), so the decoders
+    are measured, not held to exactness, here; the export is in the model's own dtype (fp32) and decodes
+    losslessly."""
     run = [*method_run(method, tmp_path), *TWO_RANKS, *strategy_run(strategy), "trainer.precision=bf16-mixed",
            "trainer.max_steps=4", "trainer.val_check_interval=2"]
     if method == "cllm":        # the offline default's AR term: a frozen copy of the original beside the model
@@ -254,7 +258,7 @@ def test_method_trains_and_exports_in_bf16_mixed(method, strategy, tmp_path, mic
     check_held(tmp_path / "run", strategy, "bf16-mixed", lora=method in LORA, original=method == "cllm")
     check_export(method, tmp_path / "run" / "export", micro_dirs[0],
                  load_file(Path(micro_dirs[0]) / "model.safetensors"))
-    if strategy == "deepspeed_zero3":
+    if strategy == "deepspeed_zero3" and method in BF16_RESUMES:
         check_resume(tmp_path / "run", tmp_path / "resumed", run, method, rel=1e-3)
 
 
