@@ -312,15 +312,17 @@ def _hand_losses(model, items: list[dict], record: dict, compared: list[range], 
     return consistency, sum(ce) / len(ce)
 
 
+@pytest.mark.parametrize("items", [3, 2], ids=["three_items", "first_block_only"])
 @pytest.mark.parametrize("paper", [False, True], ids=["authors_code", "paper"])
-def test_the_losses_by_hand_as_the_authors_code_and_the_paper_weigh_them(paper):
+def test_the_losses_by_hand_as_the_authors_code_and_the_paper_weigh_them(paper, items):
     """Three items (a block wrong from its first token, one wrong from its second, one at its fixed point) collated as
-    training collates them: both terms equal the formulas written out by hand, and so do the gradients (the authors'
-    setting takes the teacher from the AR term's own forward; the hand version runs it apart)."""
+    training collates them, or the first two alone (narrower than the answer's AR sequence): both terms equal the
+    formulas written out by hand, and so do the gradients (the authors' setting takes the teacher from the AR term's
+    own forward; the hand version runs it apart)."""
     from random_models import random_model
 
     record = _record(0)
-    items = [consistency_item(record, 0, 0), consistency_item(record, 0, 1), consistency_item(record, 1, 0)]
+    items = [consistency_item(record, 0, 0), consistency_item(record, 0, 1), consistency_item(record, 1, 0)][:items]
     batch = TrajectoryDataModule(path="unused").collate([{**it, "ar": ar_item(record)} for it in items])
     module = CLLMModule(SimpleNamespace(to_dict=dict), n_tokens=3, **(PAPER if paper else {}))
     module.model = random_model(vocab=512).train()             # the record's ids run to 301
@@ -333,7 +335,7 @@ def test_the_losses_by_hand_as_the_authors_code_and_the_paper_weigh_them(paper):
     # y* = [200, 201, 202], then [300, 301] at its fixed point: eq. 4 sums each block's n positions (those before
     # the first wrong token compare equal contexts); the code compares from the first wrong token on
     compared = [range(2, 5), range(2, 5), range(5, 7)] if paper else [range(2, 5), range(3, 5), range(0)]
-    hand = _hand_losses(module.model, items, record, compared, paper)
+    hand = _hand_losses(module.model, items, record, compared[:len(items)], paper)
     assert (consistency.item(), ar.item()) == pytest.approx([h.item() for h in hand], rel=1e-5)
     (hand[0] + 10 * hand[1]).backward()
     for name, param in module.model.named_parameters():

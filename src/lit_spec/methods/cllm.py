@@ -84,7 +84,8 @@ class CLLMModule(ConsistencyModule):
         # logits at t predict token t+1; the mask marks the t's of the block's predictions (eq. 4 / 5)
         compared, attention = batch["consistency_mask"], batch["attention_mask"]
         shared = hp.consistency == "global" and hp.ar_sequence == "block"   # c + y*: the AR term's and θ−'s input
-        ar_logits, ar_columns = self._logits(self.model, (labels != IGNORE_INDEX) | (compared & shared), **inputs)
+        read = (labels != IGNORE_INDEX) | compared if shared else labels != IGNORE_INDEX
+        ar_logits, ar_columns = self._logits(self.model, read, **inputs)
         student, columns = self._logits(self.model, compared, input_ids=batch["input_ids"], attention_mask=attention)
         if shared:
             teacher = ar_logits.detach()[:, torch.searchsorted(ar_columns, columns)]   # θ− = stopgrad(θ)
