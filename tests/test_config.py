@@ -279,7 +279,11 @@ def test_offline_defaults_are_the_quickstarts_spelled_out(tmp_path):
     assert compose_config(["decoding.lookahead.window=7"], config_name="bench").decoding.lookahead.window == 7
     paper, default = compose_config(["method=cllm"]).method, compose_config([]).method
     assert (paper.lr, paper.ar_teacher, paper.ar_weight) == (2e-5, "labels", 10.0)     # Table 6's L_GC + 10·L_AR
-    assert (default.lr, default.ar_teacher, default.ar_weight) == (5e-4, "original", 50.0)   # the frontier's pick
+    assert (default.lr, default.ar_teacher, default.ar_weight) == (5e-4, "original", 5.0)    # the frontier's pick
+    # both weigh their terms as the authors' code does; eq. 4 and 6 are one setting away
+    assert (paper.consistency_reduction, paper.ar_sequence, paper.ar_prompt, paper.label_smoothing) == (
+        "mean", "block", True, 0.1) == (default.consistency_reduction, default.ar_sequence, default.ar_prompt,
+                                         default.label_smoothing)
 
 
 def test_methods_share_one_optimizer_config():
