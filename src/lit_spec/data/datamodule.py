@@ -126,6 +126,13 @@ class AnswerBatches(L.LightningDataModule):
         ds = ds.select(range(min(n, len(ds))))
         return [record_of(r, self.eval_answers) for r in ds]
 
+    def answer_token_counts(self, vocab_size: int) -> torch.Tensor:
+        """[vocab_size]: how often each token occurs in the training answers (what EAGLE-3's draft vocabulary keeps
+        the most frequent of)."""
+        self.setup("fit")
+        ids = torch.tensor([t for answer in self.splits["train"]["answer_ids"] for t in answer], dtype=torch.long)
+        return torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+
     def collate(self, records: list[dict]) -> dict:
         return collate_answers([(r["prompt_ids"], r["answer_ids"]) for r in records], self.tokenizer.pad_token_id)
 

@@ -8,6 +8,7 @@ from lit_spec.decoding import speculative  # noqa: F401  (registers "speculative
 from lit_spec.decoding import tree  # noqa: F401  (registers "tree")
 from lit_spec.decoding import draft_heads  # noqa: F401  (registers "medusa", "chimera")
 from lit_spec.decoding import hidden_transfer  # noqa: F401  (registers "hidden_transfer")
+from lit_spec.decoding import eagle3  # noqa: F401  (registers "eagle3")
 from lit_spec.decoding import ouroboros  # noqa: F401  (registers "ouroboros")
 from lit_spec.decoding import prompt_lookup  # noqa: F401  (registers "prompt_lookup")
 from lit_spec.decoding import multiblock  # noqa: F401  (registers "multiblock")

@@ -35,7 +35,8 @@ class Decoder(ABC):
     """One decoding method over a target model. Subclasses implement ``_decode(state)``."""
 
     name = "decoder"
-    record_hidden = False   # the decode needs the target's last hidden states (``DecodeState.hidden``)
+    record_hidden = False   # the decode needs the target's last hidden states (``DecodeState.hidden``), or those of
+                            # the ``hidden_states`` indices it names
 
     def __init__(self, model, pad_token_id: int | None = None):
         self.model = model

@@ -8,7 +8,8 @@ cropped away (when every row rejected them), so the cache always equals the cach
 
 With ``record_hidden`` the state also keeps ``hidden``: the target's last-layer hidden states (what its LM head
 reads) of the positions the last step added to the cache (the prompt after ``prefill``, the pending token and the
-accepted path after ``keep_path``): what draft heads on the target (Medusa, Chimera) read.
+accepted path after ``keep_path``): what draft heads on the target (Medusa, Chimera) read. ``record_hidden`` may
+instead name ``hidden_states`` indices, whose states are concatenated (EAGLE-3's low, middle and high features).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def selects_logits(model) -> bool:
 
 class DecodeState:
     def __init__(self, model, input_ids: torch.Tensor, attention_mask_2d: torch.Tensor | None,
-                 max_new_tokens: int, eos_token_id: int | list[int] | None, record_hidden: bool = False):
+                 max_new_tokens: int, eos_token_id: int | list[int] | None,
+                 record_hidden: bool | tuple[int, ...] = False):
         if input_ids.dim() != 2 or input_ids.size(1) == 0:
             raise ConfigError(f"input_ids must be a non-empty [batch, length] tensor, got shape {tuple(input_ids.shape)}")
         if attention_mask_2d is None:
@@ -70,7 +72,7 @@ class DecodeState:
         self.next_pos = attention_mask_2d.sum(-1)          # position id of each active row's pending token
         self.pending: torch.Tensor | None = None
         self.record_hidden = record_hidden
-        self.hidden: torch.Tensor | None = None            # [B, positions, d] (``record_hidden``)
+        self.hidden: torch.Tensor | None = None            # [B, positions, d · layers] (``record_hidden``)
         self.dtype = next(model.parameters()).dtype
         self.model_selects_logits = selects_logits(model)
 
@@ -109,7 +111,8 @@ class DecodeState:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
                          **kv.cache_argument(self.model, self.cache), use_cache=True, **kwargs)
         if self.record_hidden:
-            self.hidden = out.hidden_states[-1]
+            layers = (-1,) if self.record_hidden is True else self.record_hidden
+            self.hidden = torch.cat([out.hidden_states[t] for t in layers], dim=-1)
         logits = out.logits
         return logits if logits_at is None or self.model_selects_logits else logits[:, logits_at.to(ids.device)]
 

@@ -54,6 +54,13 @@ def pointwise(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: 
     return beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
 
 
+def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """-sum_v p(v) log q(v) between paired rows [N, V] (teacher detached): forward KL plus the teacher's entropy,
+    the loss EAGLE-3's authors write (its gradient is forward KL's)."""
+    p = teacher_logits.detach().float().softmax(-1)
+    return -(p * student_logits.float().log_softmax(-1)).sum(-1)
+
+
 def check_reduction(name: str, reduction: str) -> None:
     if reduction not in REDUCTIONS:
         raise ConfigError(f"{name}={reduction!r}: choose one of {list(REDUCTIONS)} (mean: the authors' code; sum: "

@@ -1,5 +1,5 @@
 """Trained draft heads on disk: ``heads.safetensors`` + ``heads.json`` (kind, config, the base model's spec), for
-every kind of heads on a frozen base (Medusa, Chimera, Hidden Transfer's maps). The registry of kinds lives here,
+every kind of heads on a frozen base (Medusa, Chimera, Hidden Transfer's maps, the EAGLE-3 draft). The registry of kinds lives here,
 where all of them are imported."""
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from lit_spec.errors import ConfigError
 from lit_spec.io import atomic_dir, write_json
 from lit_spec.models.chimera import ChimeraDraft
 from lit_spec.models.draft_heads import DraftHeads, MedusaHeads
+from lit_spec.models.eagle3 import Eagle3Draft
 from lit_spec.models.hidden_transfer import HiddenTransfer
 
 WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
-KINDS: dict[str, type[DraftHeads]] = {cls.kind: cls for cls in (MedusaHeads, ChimeraDraft, HiddenTransfer)}
+KINDS: dict[str, type[DraftHeads]] = {cls.kind: cls for cls in (MedusaHeads, ChimeraDraft, HiddenTransfer,
+                                                                 Eagle3Draft)}
 
 
 def save_heads(heads: DraftHeads, directory: str | Path, base_model: dict, state: dict | None = None) -> Path:
@@ -35,7 +37,7 @@ def load_heads(directory: str | Path) -> tuple[DraftHeads, dict]:
     directory = Path(directory)
     if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
         raise ConfigError(f"{directory}: no draft heads there (expected {CONFIG} and {WEIGHTS}, written by a "
-                          "method=chimera, medusa or hidden_transfer run's export_dir)")
+                          "method=chimera, medusa, hidden_transfer or eagle3 run's export_dir)")
     meta = json.loads((directory / CONFIG).read_text())
     if meta.get("kind") not in KINDS:
         raise ConfigError(f"{directory / CONFIG}: unknown heads kind {meta.get('kind')!r} (have {sorted(KINDS)})")
