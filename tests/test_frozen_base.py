@@ -7,6 +7,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import MICRO_MODEL, built_method
+from test_eagle3 import EAGLE3
 
 # draft_distill's student: the teacher's own first layer (model.keep_layers), its other weights included
 FIRST_LAYER = ["model@method.student=tiny", "+method.student.keep_layers=1",
@@ -16,6 +17,7 @@ METHODS = {
     "medusa": ["method=medusa"],
     "hidden_transfer": ["method=hidden_transfer", "method.layers=[1,2]", "method.tree=[2,1]"],
     "draft_distill": ["method=draft_distill", *FIRST_LAYER],
+    "eagle3": EAGLE3,
 }
 
 

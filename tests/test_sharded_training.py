@@ -26,6 +26,7 @@ from conftest import MICRO_MODEL, MICRO_RUN, built_method, make_config
 from lit_spec.decoding import generate
 from test_cllm import write_trajectories
 from test_draft_distill import STUDENT
+from test_eagle3 import EAGLE3
 
 pytestmark = pytest.mark.distributed
 
@@ -38,7 +39,7 @@ TWO_RANKS = ["trainer.devices=2", "trainer.log_every_n_steps=1", "trainer.max_st
              "callbacks.model_checkpoint.monitor=null", "callbacks.speedup.drift_data=null"]
 BASE_CHECK = ["+callbacks.base_unchanged._target_=sharded_checks.FrozenBaseUnchanged"]
 HEADS = {"chimera": ["method=chimera"], "medusa": ["method=medusa"],
-         "hidden_transfer": ["method=hidden_transfer", "method.layers=[1,2]", "method.tree=[2,1]"]}
+         "hidden_transfer": ["method=hidden_transfer", "method.layers=[1,2]", "method.tree=[2,1]"], "eagle3": EAGLE3}
 # method -> (overrides, the decoder the speedup callback measures besides AR)
 AR_JACOBI = ["callbacks.speedup.extra_decoders={jacobi: {n_tokens: 4}}"]
 METHODS = {"ar": (AR_JACOBI, "jacobi"),
@@ -199,6 +200,8 @@ def check_export(method: str, export: Path, base_dir: str, initial: dict[str, to
     else:
         heads = load_file(export / "heads.safetensors")
         assert heads and all(v.numel() > 0 for v in heads.values()), "every tensor whole, none a ZeRO-3 partition"
+        if method == "eagle3":
+            assert heads["d2t"].any(), "the draft vocabulary of the training answers, not the first ids"
         draft = {"transfer": str(export), "tree": [2, 1]} if method == "hidden_transfer" else {"heads": str(export)}
         out = generate(base, ids, method, max_new_tokens=12, **draft)
         assert torch.equal(out.sequences, greedy)
