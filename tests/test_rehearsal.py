@@ -1,7 +1,7 @@
 """Every paper experiment that targets GPUs, rehearsed on 2 CPU processes as the GPU would run it: the experiment's own
 strategy, precision, gradient accumulation, validation interval, speedup callback with its decoders, logger (W&B,
 offline), method settings and model dtype. Only what cannot run here is swapped: the model (a micro Llama in the
-experiment's dtype; a draft student and transfer layers sized to it), the data (stdlib-code, or written trajectories
+experiment's dtype; a draft student, transfer layers and a draft vocabulary sized to it), the data (stdlib-code, or written trajectories
 of its block size), the accelerator (cpu), the sizes (steps, records, prompts decoded), and the strategy's teardown
 for one that takes the model away as a GPU's does. Experiments that come out the same after the swaps but for their
 names and W&B labels (the AR baselines of four datasets, whose data is what is swapped) are rehearsed by one run. An experiment added under conf/experiment/ with a GPU trainer is
@@ -80,6 +80,8 @@ def swaps(name: str, traj: Path) -> list[str]:
     else:
         run += ["data=stdlib_code", "data.max_train_samples=64", "data.max_eval_samples=16",
                 "data.max_prompt_tokens=64", "data.max_answer_tokens=32"]
+        if "collect" in cfg.data:    # the target's own answers: what collecting them asks for goes with them
+            run.append("~data.collect")
     strategy = cfg.trainer.strategy
     if not isinstance(strategy, str) and strategy._target_ in OFF_DEVICE:   # the GPU's teardown: the model moved away
         run.append(f"trainer.strategy._target_={OFF_DEVICE[strategy._target_]}")
@@ -87,8 +89,10 @@ def swaps(name: str, traj: Path) -> list[str]:
         run.append("~model.stage")
     if "student" in cfg.method:
         run += STUDENT
-    if "layers" in cfg.method:      # transfer layers of the micro model's 2
+    if cfg.method.get("layers"):     # transfer layers of the micro model's 2
         run.append(f"method.layers=[{','.join(str(min(t, 2)) for t in cfg.method.layers)}]")
+    if "draft_vocab_size" in cfg.method:    # EAGLE-3's pruned vocabulary, within the micro model's 512 tokens
+        run.append("method.draft_vocab_size=128")
     return run
 
 
