@@ -219,3 +219,16 @@ def test_bad_decoder_settings_are_refused(models):
 def test_shifted_moves_left_and_pads():
     x = torch.tensor([[1, 2, 3, 4]])
     assert shifted(x, 1).tolist() == [[2, 3, 4, 0]] and shifted(x, 5).tolist() == [[0, 0, 0, 0]]
+
+
+def test_cached_states_of_other_layers_are_refused(models):
+    """``data.base_states`` must hold the draft's feature layers and the last (what its loss reads), in that order."""
+    from lit_spec.data.base_states import BaseStates
+    from lit_spec.methods.eagle3 import check_cached_layers
+
+    draft = eagle3(models["llama"])
+    check_cached_layers(None, draft, 2)
+    check_cached_layers(BaseStates(layers=[*draft.layers, 2]), draft, 2)
+    for layers in (None, draft.layers, [2, *draft.layers]):
+        with pytest.raises(ConfigError, match=r"set data.base_states.layers=\[0, 1, 2, 2\]"):
+            check_cached_layers(BaseStates(layers=layers), draft, 2)

@@ -11,6 +11,7 @@ from omegaconf import open_dict
 from test_collect import MICRO_COLLECT, collect_config, part_names
 
 from conftest import MICRO_MODEL
+from test_eagle3 import EAGLE3
 from lit_spec import stages
 from lit_spec.collection import TrajectoryCollector, run_collection
 from lit_spec.config import build, compose_config
@@ -118,16 +119,21 @@ def test_answers_are_cut_and_the_quickstarts_take_them(answers):
         assert isinstance(build(cfg.data), SelfDistilledDataModule), experiment
 
 
-@pytest.mark.parametrize("method", ["medusa", "chimera"])
+CACHED = {"medusa": ["method=medusa"], "chimera": ["method=chimera"],
+          "eagle3": [*EAGLE3, "method.draft_vocab_size=512", "method.layers=[0,1,1]",
+                     "data.base_states.layers=[0,1,1,2]"]}
+
+
+@pytest.mark.parametrize("method", sorted(CACHED))
 def test_cached_base_states_equal_recomputed_ones(answers, tmp_path, method):
-    """data.base_states: the stage caches the frozen base's last states and greedy tokens of every answer once (its
-    own key); a cached state equals the base's recomputed one (each answer alone, in the cache's bf16), and the
-    heads' loss with them is the loss with the base's forward."""
+    """data.base_states: the stage caches the frozen base's last states (EAGLE-3: its feature layers and the last)
+    and greedy tokens of every answer once (its own key); a cached state equals the base's recomputed one (each
+    answer alone, in the cache's bf16), and the trained part's loss with them is the loss with the base's forward."""
     import torch
 
     from conftest import built_method, make_config
 
-    cfg = make_config(tmp_path / "run", [*MICRO_MODEL, f"method={method}", "data=self_distilled",
+    cfg = make_config(tmp_path / "run", [*MICRO_MODEL, *CACHED[method], "data=self_distilled",
                                          f"data.path={answers}", "data.base_states.enabled=true",
                                          f"paths.cache_dir={tmp_path / 'cache'}"])
     module, data = built_method(cfg)
@@ -140,7 +146,9 @@ def test_cached_base_states_equal_recomputed_ones(answers, tmp_path, method):
     with torch.no_grad():
         for i, n in enumerate(batch["attention_mask"].sum(1).tolist()):
             out = module.model(input_ids=batch["input_ids"][i:i + 1, :n], output_hidden_states=True)
-            assert torch.equal(batch["base_hidden"][i, :n], out.hidden_states[-1][0].to(torch.bfloat16))
+            layers = cfg.data.base_states.layers or [-1]
+            states = torch.cat([out.hidden_states[t][0] for t in layers], dim=-1)
+            assert torch.equal(batch["base_hidden"][i, :n], states.to(torch.bfloat16))
             assert torch.equal(batch["base_next"][i, :n], out.logits[0].argmax(-1))
         cached = module.training_step(batch, 0).item()
         computed = module.training_step({k: v for k, v in batch.items() if not k.startswith("base_")}, 0).item()

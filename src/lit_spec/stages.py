@@ -22,7 +22,7 @@ options left out):
 - ``answers`` (``data=self_distilled`` with ``data.path`` null): the target's own greedy answers, the same collection
   with ``collect.decoder=ar`` (answers only), keyed and resumable the same way.
 - ``base_states`` (``data=self_distilled`` with ``data.base_states.enabled=true``): the frozen base's last hidden states
-  and greedy next tokens of every answer (``lit_spec/data/base_states.py``); keyed by the model, the answers and how
+  (or those of ``data.base_states.layers``) and greedy next tokens of every answer (``lit_spec/data/base_states.py``); keyed by the model, the answers and how
   they are cut.
 """
 
@@ -133,7 +133,7 @@ def build_base_states_stage(node: DictConfig, out: Path) -> None:
     states = build(node)
     answers = SelfDistilledDataModule(path=states.answers, max_answer_tokens=states.max_answer_tokens,
                                       max_train_records=states.max_train_records)
-    build_base_states(states.model, answers.records(), states.dtype, out)
+    build_base_states(states.model, answers.records(), states.dtype, out, states.layers)
 
 
 def gguf_stage(node: DictConfig) -> Stage:

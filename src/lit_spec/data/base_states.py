@@ -8,7 +8,9 @@ heads only, not the base's forward over prompt + answer.
 through the base alone (a batch of one: no padding), in fp32 or the model's dtype, and its states are stored in
 ``dtype`` (bf16 by default: half the disk and memory). ``SelfDistilledDataModule`` then adds ``base_hidden``
 [B, T, d] and ``base_next`` [B, T] (padded like ``input_ids``) to its batches, checked against the record's tokens;
-``methods/draft_heads.py`` reads them instead of running the base.
+``methods/draft_heads.py`` reads them instead of running the base. ``layers`` stores the states of several
+``hidden_states`` indices side by side instead ([B, T, d · layers]): EAGLE-3 reads its three feature layers and the
+last one, whose LM head gives the teacher's distribution (``methods/eagle3.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class BaseStates:
         answers: the answers collection (the run's ``data.path``).
         max_answer_tokens, max_train_records: as the datamodule cuts the records.
         dtype: what the states are stored in.
+        layers: the ``hidden_states`` indices stored, concatenated (null: the last layer, what draft heads read).
         cache_dir: where the stage is cached.
     """
 
@@ -51,11 +54,17 @@ class BaseStates:
     max_answer_tokens: int | None = None
     max_train_records: int | None = None
     dtype: str = "bfloat16"
+    layers: list[int] | None = None
     cache_dir: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES or DTYPES[self.dtype] == "auto":
             raise ConfigError(f"data.base_states.dtype={self.dtype!r}: choose float32 or bfloat16")
+        if self.layers is not None:
+            self.layers = [int(t) for t in self.layers]
+            if not self.layers or min(self.layers) < 0:
+                raise ConfigError(f"data.base_states.layers={self.layers}: give hidden_states indices >= 0, or null "
+                                  "(the last layer)")
 
     def load(self) -> dict[str, torch.Tensor]:
         """``ids``, ``hidden``, ``next`` (every record's tokens concatenated) and ``offsets`` [records + 1]."""
@@ -69,21 +78,25 @@ class BaseStates:
 
 
 @torch.no_grad()
-def build_base_states(spec, records: list[dict], dtype: str, out: Path) -> None:
+def build_base_states(spec, records: list[dict], dtype: str, out: Path, layers: list[int] | None = None) -> None:
     """Run every record (``prompt_ids`` + ``answer_ids``, in order) alone through the frozen base (``spec``); write
-    its tokens, last hidden states (in ``dtype``) and greedy next tokens into ``out/FILE``, atomically."""
+    its tokens, hidden states at ``layers`` (None: the last; in ``dtype``) and greedy next tokens into ``out/FILE``,
+    atomically."""
     model = spec.load_model().eval()
-    store = DTYPES[dtype]
+    store, layers = DTYPES[dtype], layers or [-1]
+    if max(layers) > model.config.num_hidden_layers:
+        raise ConfigError(f"data.base_states.layers={layers}: the model has {model.config.num_hidden_layers} "
+                          f"layers, so hidden_states indices run 0..{model.config.num_hidden_layers}")
     tokens = sum(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in records)
+    width = model.config.hidden_size * len(layers)
     log.info("base_states: %d records, %d tokens x %d -> %.0f MB in %s (in memory while training, and on disk)",
-             len(records), tokens, model.config.hidden_size,
-             tokens * model.config.hidden_size * store.itemsize / 2**20, dtype)
+             len(records), tokens, width, tokens * width * store.itemsize / 2**20, dtype)
     ids, hidden, following, offsets = [], [], [], [0]
     for record in tqdm(records, desc="base states", unit="answer"):
         seq = torch.tensor([record["prompt_ids"] + record["answer_ids"]], device=model.device)
         result = model(input_ids=seq, output_hidden_states=True)
         ids.append(seq[0].cpu())
-        hidden.append(result.hidden_states[-1][0].to(store).cpu())
+        hidden.append(torch.cat([result.hidden_states[t][0] for t in layers], dim=-1).to(store).cpu())
         following.append(result.logits[0].argmax(-1).cpu())
         offsets.append(offsets[-1] + seq.size(1))
     with atomic_dir(out) as tmp:

@@ -16,7 +16,8 @@ would reach if each step's acceptance were independent.
 
 The draft vocabulary (``draft_vocab_size`` tokens, ``d2t``/``t2d``) is fixed before the first step from the training
 answers' token counts (``AnswerBatches.answer_token_counts``), as the authors' ``scandata`` does; the export is the
-draft (``save_heads``), which ``decoding=eagle3`` loads.
+draft (``save_heads``), which ``decoding=eagle3`` loads. With ``data.base_states`` the target's states come from the
+cache (its ``layers``: the draft's feature layers and the last) instead of a forward per batch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,17 @@ from lit_spec.methods.losses import soft_cross_entropy
 from lit_spec.models.eagle3 import Eagle3Draft, feature_layers, shifted
 
 log = logging.getLogger(__name__)
+
+
+def check_cached_layers(base_states, draft: Eagle3Draft, num_layers: int) -> None:
+    """Cached base states (``data.base_states``, when enabled) must be the draft's feature layers and the last."""
+    if base_states is None:
+        return
+    wanted = [*draft.layers, num_layers]
+    if base_states.layers != wanted:
+        raise ConfigError(f"data.base_states.layers={base_states.layers}: method=eagle3 reads hidden_states "
+                          f"{draft.layers} and the last layer; set data.base_states.layers={wanted} (and "
+                          f"method.layers={draft.layers})")
 
 
 class Eagle3Module(FrozenBaseModule):
@@ -63,10 +75,11 @@ class Eagle3Module(FrozenBaseModule):
 
     def _answer_counts(self, draft: Eagle3Draft) -> torch.Tensor | None:
         """The training answers' token counts, when a trainer holds the data (a copy built to decode has none: its
-        vocabulary comes with the trained weights)."""
+        vocabulary comes with the trained weights); cached base states are checked to be this draft's layers."""
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is None:
             return None
+        check_cached_layers(getattr(datamodule, "base_states", None), draft, self.model.config.num_hidden_layers)
         counts = datamodule.answer_token_counts(draft.vocab_size)
         kept = counts.sort(descending=True).values[: draft.draft_vocab_size].sum()
         log.info("eagle3: draft vocabulary of %d tokens, %d distinct in the training answers, covering %.1f%% of "
@@ -78,11 +91,14 @@ class Eagle3Module(FrozenBaseModule):
         return {"eagle3": Eagle3Decoder(self.model, self.heads, **self.hparams.decoder)}
 
     def _target(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The frozen target's fused features [B, T, H] (no gradient reaches the target) and logits [B, T, V]."""
-        if "base_hidden" in batch:
-            raise ConfigError("method=eagle3 reads the target's states at several layers: data.base_states caches "
-                              "the last layer only; set data.base_states.enabled=false")
+        """The frozen target's fused features [B, T, H] (no gradient reaches the target) and logits [B, T, V]: from
+        its forward, or from the states the ``base_states`` stage cached (the feature layers, then the last, whose
+        LM head gives the logits)."""
         with torch.no_grad():
+            if "base_hidden" in batch:
+                states = batch["base_hidden"].split(self.model.config.hidden_size, dim=-1)
+                head = self.model.get_output_embeddings()
+                return self.heads.features(torch.cat(states[:-1], dim=-1)), head(states[-1].to(head.weight.dtype))
             out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              output_hidden_states=True)
         return self.heads.features(out.hidden_states), out.logits
