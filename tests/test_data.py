@@ -450,6 +450,25 @@ def test_sharegpt_uses_the_tokenizers_own_chat_template(tmp_path):
     assert "USER:" not in prompt
 
 
+def test_sharegpt_and_ultrachat_mix_split_by_split(tmp_path):
+    """data=sharegpt_ultrachat (EAGLE-3's prompts): both sources' first turns in one dataset, ShareGPT's records then
+    UltraChat's in each split; a record without a user-then-assistant start is dropped from either."""
+    tok = train_bpe_tokenizer(["hello there", "general kenobi"] * 4, vocab_size=280)
+    tok.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    ultrachat = [{"prompt_id": str(i), "messages": [{"role": "user", "content": f"Name a colour, {i}."},
+                                                    {"role": "assistant", "content": "Blue."}]} for i in range(10)]
+    ultrachat.append({"prompt_id": "x", "messages": [{"role": "assistant", "content": "I start."}]})
+    sharegpt = write_rows(sharegpt_rows(), tmp_path / "sharegpt.json")
+    ultrachat = write_rows(ultrachat, tmp_path / "ultra" / "train_sft.json")
+    dm = setup_datamodule(tok, "data=sharegpt_ultrachat", f"data.source.sources.sharegpt.path={sharegpt}",
+                          f"data.source.sources.ultrachat.path={ultrachat}")
+    prompts = [tok.decode(p) for split in ("train", "validation") for p in dm.splits[split]["prompt_ids"]]
+    assert len(prompts) == 20 + 10
+    assert sum("haiku" in p for p in prompts) == 20 and sum("colour" in p for p in prompts) == 10
+    with pytest.raises(DataError, match="data.path is not supported by MixedSource"):
+        setup_datamodule(tok, "data=sharegpt_ultrachat", f"data.path={sharegpt}")
+
+
 def test_chat_template_missing_everywhere(tok, tmp_path):
     path = write_rows(sharegpt_rows(), tmp_path / "sharegpt.json")
     with pytest.raises(DataError, match="fallback_chat_template"):

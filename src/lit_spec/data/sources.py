@@ -149,8 +149,10 @@ class HFSource:
         dd = self._load_local() if self.path else self._load_hub()
         if not isinstance(dd, datasets.DatasetDict):
             dd = datasets.DatasetDict({"train": dd})
-        dd = datasets.DatasetDict({ours: dd[theirs] for ours, theirs in self.splits.items() if theirs in dd}
-                                  | {k: v for k, v in dd.items() if k in SPLITS and k not in self.splits})
+        # the dataset's own split names mapped to ours; a split already under our name (a local file train.json of a
+        # hub dataset whose own is train_sft) is kept
+        mapped = {ours: dd[theirs] for ours, theirs in self.splits.items() if theirs in dd}
+        dd = datasets.DatasetDict(mapped | {k: v for k, v in dd.items() if k in SPLITS and k not in mapped})
         if self.eval_split:  # before record_fn: the splits left out are never processed
             dd = _only_split(dd, self.eval_split)
         if self.record_fn is not None:
@@ -159,6 +161,30 @@ class HFSource:
         if self.eval_split:
             return dd
         return _complete_splits(dd, self.val_fraction, self.test_fraction, self.seed)
+
+
+class MixedSource:
+    """Several sources' records as one dataset, split by split, in the order given (EAGLE-3 trains on ShareGPT and
+    UltraChat together): ``sources`` maps a name to each source; each split keeps the columns every source has
+    (``prompt`` and ``answer`` after their ``record_fn``). A local file replaces one source's hub dataset:
+    ``data.source.sources.<name>.path=...``."""
+
+    def __init__(self, sources: Mapping[str, object]):
+        if not sources:
+            raise ConfigError("data.source.sources is empty: name the sources to mix")
+        self.sources = dict(sources)
+
+    def describe(self) -> str:
+        return " + ".join(f"{name}: {source.describe()}" for name, source in self.sources.items())
+
+    def load(self) -> datasets.DatasetDict:
+        loaded = [source.load() for source in self.sources.values()]
+        out = {}
+        for split in SPLITS:
+            parts = [dd[split] for dd in loaded if split in dd]
+            common = sorted(set.intersection(*(set(part.column_names) for part in parts)))
+            out[split] = datasets.concatenate_datasets([part.select_columns(common) for part in parts])
+        return datasets.DatasetDict(out)
 
 
 class StdlibCodeSource:
@@ -193,6 +219,14 @@ def sharegpt_first_turn(record: dict) -> dict | None:
     if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
         return None
     return {"prompt": turns[0]["value"], "answer": turns[1]["value"]}
+
+
+def chat_first_turn(record: dict) -> dict | None:
+    """UltraChat (``messages``: role/content turns): the first user turn is the prompt, the reply the answer."""
+    turns = record.get("messages") or []
+    if len(turns) < 2 or turns[0].get("role") != "user" or turns[1].get("role") != "assistant":
+        return None
+    return {"prompt": turns[0]["content"], "answer": turns[1]["content"]}
 
 
 def mbpp_tests(record: dict) -> dict:
