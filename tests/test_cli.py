@@ -235,3 +235,20 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path):
     assert all(p.returncode == 0 for p in procs)
     assert dirs[0] != dirs[1] and all(d.startswith("logs/train/runs/") for d in dirs)
     assert sorted(d.rsplit("_", 1)[1] for d in dirs) == sorted(str(p.pid) for p in procs)
+
+
+@pytest.mark.parametrize("kind, param", [("eagle3", "heads"), ("hidden_transfer", "transfer")])
+def test_a_trained_draft_is_named_and_its_bench_command_decodes_with_it(tmp_path, kind, param):
+    """A frozen-base run's ending names its export a draft and says how to bench it with its decoder, not as a
+    model (a heads directory has no weights transformers can load)."""
+    from lit_spec.console import training_summary
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "heads.json").write_text(json.dumps({"kind": kind}))
+    cfg = OmegaConf.create({"task_name": "train", "export_dir": str(export), "model": {"name_or_path": "m"},
+                            "method": {"_target_": "lit_spec.methods.Eagle3Module", "lr": 1e-3},
+                            "paths": {"output_dir": str(tmp_path)}})
+    printed = training_summary(cfg, {"global_step": 3}, [], 0, 1.0)
+    assert f"export/          the trained {kind} draft" in printed and "model.name_or_path" not in printed
+    assert f"python -m lit_spec.bench 'decoding=[{kind}]' decoding.{kind}.{param}={export} draft=null" in printed

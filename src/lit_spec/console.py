@@ -4,6 +4,7 @@ machine-readable files (metrics.json, csv/, bench.json, meta.json) stay as they 
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -143,7 +144,10 @@ def training_summary(cfg, metrics: dict, history: list, prompts: int, seconds: f
         lines.append(f"verdict: {metrics['verdict']}")
     if "val/loss" in metrics:
         lines.append(f"  val/loss {metrics['val/loss']:.3f}")
-    files = [(cfg.get("export_dir"), "the trained model (save_pretrained)"),
+    export = cfg.get("export_dir")
+    heads = _heads_kind(export)
+    files = [(export, f"the trained {heads} draft (heads.safetensors + heads.json)" if heads
+              else "the trained model (save_pretrained)"),
              (run / "checkpoints", "last.ckpt and the best by val/loss (resume: ckpt_path=.../last.ckpt)"),
              (run / "csv" / "metrics.csv", "every logged figure"),
              (run / "speedup.png", "τ, speedup, quality and answer-NLL drift over the steps"),
@@ -153,13 +157,22 @@ def training_summary(cfg, metrics: dict, history: list, prompts: int, seconds: f
         if path and Path(path).exists():
             name = str(Path(path).relative_to(run)) if Path(path).is_relative_to(run) else str(path)
             lines.append(f"  {name + ('/' if Path(path).is_dir() else ''):<16} {why}")
-    export = cfg.get("export_dir")
     lines.append("next:")
-    if export and Path(export).exists():
+    if heads:       # decoded on the model it was trained on (the run's), by its decoder
+        param = "transfer" if heads == "hidden_transfer" else "heads"
+        lines.append(f"  python -m lit_spec.bench 'decoding=[{heads}]' decoding.{heads}.{param}={export} draft=null  "
+                     "# bench the trained draft")
+    elif export and Path(export).exists():
         lines.append(f"  python -m lit_spec.bench model=hf model.name_or_path={export} model.dtype=float32  "
                      "# bench the export")
     lines.append(f"  python -m lit_spec.train -m {_sweep(cfg)}  # a sweep, one run each")
     return "\n".join(lines)
+
+
+def _heads_kind(export) -> str | None:
+    """The kind of draft heads an export holds (``heads.json``), or None for a model."""
+    config = Path(export) / "heads.json" if export else None
+    return json.loads(config.read_text())["kind"] if config is not None and config.is_file() else None
 
 
 def _sweep(cfg) -> str:
