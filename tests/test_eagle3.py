@@ -15,7 +15,7 @@ from lit_spec.decoding import generate
 from lit_spec.decoding.eagle3 import Eagle3Decoder, Eagle3Drafter, Node, dynamic_tree
 from lit_spec.decoding.state import DecodeState
 from lit_spec.errors import ConfigError
-from lit_spec.models.eagle3 import Eagle3Draft, feature_layers, shifted
+from lit_spec.models.eagle3 import Eagle3Draft, shifted
 from lit_spec.models.saved_heads import load_heads, save_heads
 
 EAGLE3 = ["method=eagle3", "method.draft_vocab_size=128", "method.steps=3",
@@ -25,12 +25,9 @@ TREES = ([1, 1, 1, 1], [3, 2, 1], [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
 
 def eagle3(model, seed: int = 0, vocab: int = 64) -> Eagle3Draft:
     """A draft over ``vocab`` tokens of a random ranking, with random (not base-initialised) weights."""
-    c = model.config
     torch.manual_seed(seed)
-    draft = Eagle3Draft(c.hidden_size, c.vocab_size, vocab, feature_layers(c.num_hidden_layers),
-                        c.num_attention_heads, c.num_key_value_heads, None, c.intermediate_size, c.rms_norm_eps,
-                        getattr(c, "rope_parameters", None), c.max_position_embeddings)
-    draft.init_from_base(model, torch.randint(0, 100, (c.vocab_size,)))
+    draft = Eagle3Draft.for_target(model.config, vocab)
+    draft.init_from_base(model, torch.randint(0, 100, (model.config.vocab_size,)))
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.05)

@@ -31,7 +31,7 @@ from lit_spec.decoding.eagle3 import DYNAMIC, Eagle3Decoder
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.methods.frozen_base import FrozenBaseModule
 from lit_spec.methods.losses import soft_cross_entropy
-from lit_spec.models.eagle3 import Eagle3Draft, feature_layers, shifted
+from lit_spec.models.eagle3 import Eagle3Draft, shifted
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +65,7 @@ class Eagle3Module(FrozenBaseModule):
                          **kwargs)
 
     def build_trainable(self) -> Eagle3Draft:
-        c = self.model.config
-        layers = self.hparams.layers or feature_layers(c.num_hidden_layers)
-        draft = Eagle3Draft(c.hidden_size, c.vocab_size, self.hparams.draft_vocab_size, layers, c.num_attention_heads,
-                            getattr(c, "num_key_value_heads", None), getattr(c, "head_dim", None),
-                            c.intermediate_size, getattr(c, "rms_norm_eps", 1e-6), getattr(c, "rope_parameters", None),
-                            c.max_position_embeddings)
+        draft = Eagle3Draft.for_target(self.model.config, self.hparams.draft_vocab_size, self.hparams.layers)
         return draft.init_from_base(self.model, self._answer_counts(draft))
 
     def _answer_counts(self, draft: Eagle3Draft) -> torch.Tensor | None:

@@ -144,6 +144,16 @@ class Eagle3Draft(DraftHeads):
         self.register_buffer("t2d", torch.arange(vocab_size) < draft_vocab_size)    # until set_vocab: the first N
         self._embed: tuple[nn.Module, ...] = ()
 
+    @classmethod
+    def for_target(cls, config, draft_vocab_size: int, layers: list[int] | None = None) -> "Eagle3Draft":
+        """A draft shaped after the target's ``config`` (a transformers config): its sizes, heads, rotary and
+        norm; ``layers`` None: the authors' feature layers."""
+        return cls(config.hidden_size, config.vocab_size, draft_vocab_size,
+                   layers or feature_layers(config.num_hidden_layers), config.num_attention_heads,
+                   getattr(config, "num_key_value_heads", None), getattr(config, "head_dim", None),
+                   config.intermediate_size, getattr(config, "rms_norm_eps", 1e-6),
+                   getattr(config, "rope_parameters", None), config.max_position_embeddings)
+
     @property
     def config(self) -> dict:
         return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
