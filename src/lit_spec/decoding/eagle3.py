@@ -88,7 +88,7 @@ class Eagle3Drafter:
         self.length += m
         return out[-1]
 
-    def expand(self, nodes: list[Node], depth: int, k: int) -> torch.Tensor:
+    def expand(self, nodes: list[Node], depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed ``nodes`` (all at ``depth``, parents expanded) in one forward; store their output states; return the
         top-``k`` of each's next-token log-probabilities as (values, target ids), each [len(nodes), k]."""
         device = self.draft.d2t.device
