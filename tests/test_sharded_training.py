@@ -56,12 +56,13 @@ ZERO = ["deepspeed_zero2", "deepspeed_zero3"]
 LORA = ("ar_lora", "ar_lora_checkpointing")
 # Every method under the card's ZeRO-3 in fp32 and bf16, and in bf16 under every strategy. Where a strategy treats
 # two methods' trained parts alike, one of them stands for both: ZeRO-2 resumes a trained model (CLLM) and trained heads
-# (Medusa, standing for Chimera and Hidden Transfer, also under bf16 ZeRO-2 and DDP; the rehearsal runs those two under
-# DDP with a bf16 base). Jacobi Forcing: its batches differ from CLLM's, its sharded path does not; packed CLLM runs
+# (Medusa, standing for Chimera, Hidden Transfer and EAGLE-3, also under bf16 ZeRO-2 and DDP, where every rank holds a
+# whole trained part; the rehearsal runs Chimera and Hidden Transfer under DDP with a bf16 base, EAGLE-3 under ZeRO-2).
+# Jacobi Forcing: its batches differ from CLLM's, its sharded path does not; packed CLLM runs
 # Jacobi Forcing's step, under the card's ZeRO-3 in bf16. AR with LoRA
 # adapters: in bf16 under the strategies that shard them, ZeRO-3 and FSDP2 (the fast suite checks its merge and
 # losslessness in fp32).
-ALIKE_HEADS = ("chimera", "hidden_transfer")
+ALIKE_HEADS = ("chimera", "hidden_transfer", "eagle3")
 MATRIX = [(m, "deepspeed_zero3") for m in METHODS if m not in (*LORA, "cllm_packed")] + [
     (m, "deepspeed_zero2") for m in ("cllm", "medusa")] + [(m, "fsdp") for m in ("ar", "cllm", "medusa")]
 BF16_MATRIX = [(m, s) for m in METHODS if m not in (*LORA, "cllm_packed") for s in ("ddp", *ZERO, "fsdp")
