@@ -128,17 +128,16 @@ def children(parent: Node, values: torch.Tensor, ids: torch.Tensor) -> list[Node
 
 def static_tree(drafter: Eagle3Drafter, pending: Node, spec: TreeSpec) -> list[Node]:
     """Every node of ``spec``, each child the given rank of its parent's own top-k; the nodes in spec order."""
-    nodes, tops = {(): pending}, {(): drafter.top(pending.state[None], spec.top_k)}
+    nodes, tops = {(): pending}, {(): drafter.top(pending.state[None], spec.top_k)[1][0]}   # ranked target ids
     parents = {p[:-1] for p in spec.paths}
     for depth in range(1, spec.depth + 1):
         level = [p for p in spec.paths if len(p) == depth]
         for path in level:
-            values, ids = tops[path[:-1]]
-            nodes[path] = Node(path, int(ids[0, path[-1]]), 0.0, nodes[path[:-1]])
+            nodes[path] = Node(path, int(tops[path[:-1]][path[-1]]), 0.0, nodes[path[:-1]])
         expanding = [p for p in level if p in parents]
         if expanding:
-            values, ids = drafter.expand([nodes[p] for p in expanding], depth, spec.top_k)
-            tops.update((p, (values[i: i + 1], ids[i: i + 1])) for i, p in enumerate(expanding))
+            ids = drafter.expand([nodes[p] for p in expanding], depth, spec.top_k)[1]
+            tops.update(zip(expanding, ids))
     return [nodes[p] for p in spec.paths]
 
 
@@ -170,15 +169,15 @@ class Eagle3Decoder(TreeDecoder):
         self.draft.check_vocab()
         self.dynamic = tree == DYNAMIC
         if self.dynamic:
-            self.depth = check_count("depth", depth)
-            self.top_k = check_count("top_k", top_k)
-            if top_k > self.draft.draft_vocab_size:
-                raise ConfigError(f"top_k={top_k} exceeds the draft's vocabulary of {self.draft.draft_vocab_size}")
+            self.depth, self.top_k = check_count("depth", depth), check_count("top_k", top_k)
             self.total = check_count("total_tokens", total_tokens)
-            tree = [1] * depth
+            tree = [top_k] + [1] * (depth - 1)      # what spec_for cuts to the room left; the top-k checked below
         elif isinstance(tree, str):
             raise ConfigError(f"tree={tree!r}: give {DYNAMIC!r}, top-k per depth ([3, 2, 1]) or paths")
         super().__init__(model, tree=tree, **kwargs)
+        if self.spec.top_k > self.draft.draft_vocab_size:
+            raise ConfigError(f"top_k={self.spec.top_k} exceeds the draft's vocabulary of "
+                              f"{self.draft.draft_vocab_size}")
         self.record_hidden = tuple(self.draft.layers)
 
     def _tree(self, drafter: Eagle3Drafter, state: DecodeState) -> tuple[TreeSpec, torch.Tensor]:
