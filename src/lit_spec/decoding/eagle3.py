@@ -169,9 +169,9 @@ class Eagle3Decoder(TreeDecoder):
         self.draft.check_vocab()
         self.dynamic = tree == DYNAMIC
         if self.dynamic:
-            self.depth, self.top_k = check_count("depth", depth), check_count("top_k", top_k)
-            self.total = check_count("total_tokens", total_tokens)
-            tree = [top_k] + [1] * (depth - 1)      # what spec_for cuts to the room left; the top-k checked below
+            self.top_k, self.total = check_count("top_k", top_k), check_count("total_tokens", total_tokens)
+            # the depth lives in this placeholder spec, which spec_for cuts to the room left; its top-k is checked below
+            tree = [top_k] + [1] * (check_count("depth", depth) - 1)
         elif isinstance(tree, str):
             raise ConfigError(f"tree={tree!r}: give {DYNAMIC!r}, top-k per depth ([3, 2, 1]) or paths")
         super().__init__(model, tree=tree, **kwargs)
