@@ -41,9 +41,10 @@ def selects(config, marker: str) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """The slow and distributed tiers run without xdist workers: their tests start processes of their own (2-rank
-    runs, sandboxes counted machine-wide), which two workers would run at once on 2 cores."""
-    if (selects(config, "slow") or selects(config, "distributed")) and hasattr(config.option, "numprocesses"):
+    """The slow, distributed and serving tiers run without xdist workers: their tests start processes of their own
+    (2-rank runs, sandboxes counted machine-wide, vLLM), which two workers would run at once on 2 cores."""
+    if any(selects(config, tier) for tier in ("slow", "distributed", "serving")) and hasattr(config.option,
+                                                                                              "numprocesses"):
         config.option.numprocesses = 0
 
 

@@ -6,11 +6,14 @@ frozen (eval mode, no gradient, embeddings and LM head included), never trained,
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from lit_spec.methods.method_module import MethodModule
 from lit_spec.models.draft_heads import DraftHeads
 from lit_spec.models.saved_heads import save_heads
+from lit_spec.serving.vllm_export import SUBDIR as VLLM_SUBDIR, write_vllm_export
 from lit_spec.strategies import unpartitioned_init, whole_parameters
 
 
@@ -50,9 +53,11 @@ class FrozenBaseModule(MethodModule):
         self._step(batch, "val")
 
     def export(self, directory, state: dict) -> None:
-        """Draft heads (``DraftHeads``) go to ``save_heads``' files, which name the base; a draft model is a
-        ``save_pretrained`` directory (``MethodModule.export``)."""
+        """Draft heads (``DraftHeads``) go to ``save_heads``' files, which name the base, and those vLLM serves also
+        to its layout in ``vllm/`` (``serving/vllm_export.py``); a draft model is a ``save_pretrained`` directory
+        (``MethodModule.export``)."""
         part = getattr(self, self.exported)
         if not isinstance(part, DraftHeads):
             return super().export(directory, state)
         save_heads(part, directory, self.model_spec.to_dict(), state)
+        write_vllm_export(part, state, Path(directory) / VLLM_SUBDIR, self.model.config.num_hidden_layers)

