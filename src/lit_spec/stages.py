@@ -109,7 +109,8 @@ def collection_stage(kind: str, node: DictConfig) -> Stage:
     # the collection's model stages share this run's cache (a command-line paths.cache_dir, not only LIT_SPEC_CACHE)
     cfg = compose_config([*overrides, f"paths.cache_dir={node.cache_dir}"], config_name="collect")
     hashed = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k in COLLECT_GROUPS}
-    hashed["collect"].pop("out_dir", None)
+    for key in ("out_dir", "engine_check"):          # where it goes, how much is checked: not what is collected
+        hashed["collect"].pop(key, None)
     out = cache_entry(node.cache_dir, f"{kind}-{config_hash(hashed)}")
     with open_dict(cfg):
         cfg.collect.out_dir = str(out)

@@ -24,6 +24,13 @@ def check_settings(c: DictConfig) -> None:
     if c.get("decoder") not in DECODERS:
         raise ConfigError(f"collect.decoder={c.decoder!r}: choose jacobi (null; Jacobi trajectories) or ar (answers "
                           "only)")
+    if c.get("engine") not in (None, "vllm"):
+        raise ConfigError(f"collect.engine={c.engine!r}: choose null (lit_spec's engine) or vllm")
+    if c.get("engine") == "vllm" and c.get("decoder") != "ar":
+        raise ConfigError("collect.engine=vllm collects answers only (vLLM has no Jacobi decoding): set "
+                          "collect.decoder=ar, or collect.engine=null for Jacobi trajectories")
+    if c.get("engine") == "vllm":
+        check_count("collect.engine_check", c.engine_check, minimum=0)
     if c.init not in INITS:
         raise ConfigError(f"collect.init={c.init!r}: choose one of {list(INITS)}")
     if not c.splits or any(s not in SPLITS for s in c.splits):

@@ -35,6 +35,7 @@ from lit_spec.checks import check_trainer
 from lit_spec.collection.collector import TrajectoryCollector
 from lit_spec.collection.plan import check_settings, plan_batches
 from lit_spec.collection.progress import TokensPerSecond
+from lit_spec.collection.vllm_answers import check_against_generate, collect_with_vllm
 from lit_spec.config import build, without_nulls
 from lit_spec.data.trajectories import (LOCK, META, check_parts, done_batches, part_checksums, read_meta, read_records,
                                         write_meta)
@@ -60,7 +61,8 @@ def _first_difference(a, b, path: str = "") -> str:
 def collection_config(cfg: DictConfig, model_spec) -> dict:
     """What a collection's output depends on (stored in meta.json; a resume must match it)."""
     collect = OmegaConf.to_container(cfg.collect, resolve=True)
-    collect.pop("out_dir")
+    for key in ("out_dir", "engine_check"):          # where it goes, how much is checked: not what is collected
+        collect.pop(key, None)
     config = {"model": model_spec.to_dict(), "data": OmegaConf.to_container(cfg.data, resolve=True),
               "collect": collect}
     return json.loads(json.dumps(config))  # as it reads back from meta.json
@@ -133,6 +135,8 @@ def _collect(cfg: DictConfig, out: Path) -> Path:
 
     done = {split: done_batches(out, split) for split in c.splits}
     todo = [b for b in plan if b["batch"] not in done[b["split"]]]
+    if c.get("engine") == "vllm":
+        return _collect_with_vllm(cfg, out, config, plan, todo, model_spec, tokenizer, repetition_filter)
     devices = cfg.trainer.get("devices")
     if isinstance(devices, int) and 0 < len(todo) < devices:     # the predict loop gives each process a batch or fails
         log.info("%d batches left: collecting with %d processes, not %d", len(todo), len(todo), devices)
@@ -158,8 +162,28 @@ def _collect(cfg: DictConfig, out: Path) -> Path:
     elif trainer.is_global_zero:
         on_done(0.0)
     if trainer.is_global_zero:
-        stats = read_meta(out)["stats"]
-        log.info("collected %d records (%d kept, %d dropped by the repetition filter), %d answer tokens; this run: "
-                 "%d batches in %.1f s, %s tok/s", stats["records"], stats["kept"], stats["dropped"],
-                 stats["answer_tokens"], len(todo), stats["seconds"], stats["tokens_per_s"])
+        _log_stats(out, len(todo))
     return out
+
+
+def _collect_with_vllm(cfg: DictConfig, out: Path, config: dict, plan: list[dict], todo: list[dict], model_spec,
+                       tokenizer, repetition_filter) -> Path:
+    """``collect.engine=vllm`` (``vllm_answers.py``): one process, vLLM's batches instead of the predict loop."""
+    c = cfg.collect
+    write_meta(out, config, complete=False)
+    log.info("collecting %d batches of %d prompts with vLLM (%d on disk already) into %s", len(todo), c.batch_size,
+             len(plan) - len(todo), out)
+    seconds = collect_with_vllm(model_spec, tokenizer, out, todo, c, repetition_filter) if todo else 0.0
+    new = {f"{b['split']}/{i:06d}" for b in todo for i in b["index"]}
+    collected = [r for r in read_records(out, include_dropped=True, require_complete=False) if r["id"] in new]
+    check_against_generate(model_spec, tokenizer, collected[: c.engine_check], c.max_new_tokens)
+    finish(out, config, plan, todo, seconds)
+    _log_stats(out, len(todo))
+    return out
+
+
+def _log_stats(out: Path, batches: int) -> None:
+    stats = read_meta(out)["stats"]
+    log.info("collected %d records (%d kept, %d dropped by the repetition filter), %d answer tokens; this run: "
+             "%d batches in %.1f s, %s tok/s", stats["records"], stats["kept"], stats["dropped"],
+             stats["answer_tokens"], batches, stats["seconds"], stats["tokens_per_s"])

