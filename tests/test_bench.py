@@ -123,6 +123,15 @@ def test_bench_rejects_bad_settings_before_decoding(micro_dirs, tmp_path):
     with pytest.raises(ConfigError, match="needs a draft model"):
         run_benchmark(bench_config(tmp_path, target, None, "+decoding.spec.method=ar",
                                    "+decoding.spec.needs_draft=true", "bench.hf_peers=[]"), tmp_path)
+    peers = "bench.vllm_peers={vllm: null}"
+    with pytest.raises(ConfigError, match="vLLM's CPU build, greedy"):
+        run_benchmark(bench_config(tmp_path, target, None, peers, "bench.temperature=0.7"), tmp_path)
+
+
+def test_a_vllm_peer_without_vllm_installed_says_how_to_install_it(micro_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_PYTHON", str(tmp_path / "no_such_python"))
+    with pytest.raises(ConfigError, match="bash serving/install_vllm_cpu.sh"):
+        run_benchmark(bench_config(tmp_path, micro_dirs[0], None, "bench.vllm_peers={vllm: null}"), tmp_path)
 
 
 def original_overrides(path) -> list[str]:

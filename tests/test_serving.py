@@ -15,7 +15,7 @@ import torch
 from omegaconf import open_dict
 from transformers import AutoModelForCausalLM
 
-from lit_spec.benchmark import load_records
+from lit_spec.benchmark import load_records, run_benchmark
 from lit_spec.collection.run import run_collection
 from lit_spec.config import build, compose_config
 from lit_spec.data.trajectories import read_records
@@ -123,3 +123,22 @@ def test_vllm_collects_the_answer_records_lit_spec_collects(served):
             cfg.collect.out_dir = cfg.paths.output_dir = str(out)
         records[engine] = read_records(run_collection(cfg), include_dropped=True)
     assert len(records["vllm"]) == 32 and records["vllm"] == records["null"]
+
+
+def test_the_bench_runs_vllm_beside_our_decoders_on_the_same_prompts(served, tmp_path):
+    """``bench.vllm_peers``: vLLM's AR and prompt lookup join the table, exact against our AR, and every method's
+    tokens/s is divided by vLLM's AR; vLLM's prompt lookup counts the forwards ours counts on these prompts."""
+    cfg = compose_config(["model=hf", f"model.name_or_path={served['target']}", "model.dtype=float32", "draft=null",
+                          "decoding=[prompt_lookup]", "bench.hf_peers=[]", f"bench.num_prompts={PROMPTS}",
+                          f"bench.max_new_tokens={NEW_TOKENS}", "bench.vllm_peers={vllm: null, vllm_ngram: {method: "
+                          "ngram, num_speculative_tokens: 10, prompt_lookup_max: 2, prompt_lookup_min: 1}}"],
+                         config_name="bench")
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path)
+    methods = run_benchmark(cfg, tmp_path)["methods"]
+    assert set(methods) == {"ar", "prompt_lookup", "vllm", "vllm_ngram"}
+    assert all(m["exact_match"] == 1.0 for m in methods.values())
+    assert methods["vllm"]["speedup_vllm"] == 1.0
+    assert methods["ar"]["speedup_vllm"] == pytest.approx(methods["ar"]["tokens_per_s"] / methods["vllm"]["tokens_per_s"])
+    assert methods["vllm_ngram"]["mean_accepted"] > 1.0
+    assert "÷ vLLM AR" in (tmp_path / "bench.md").read_text()

@@ -24,7 +24,9 @@ from lit_spec.data.repetition import RepetitionFilter
 from lit_spec.drift import HELDOUT, check_drift_data, compare_answers, compare_nll, drift_records
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json, write_text
-from lit_spec.measure import HFPeer, build_decoders, compare, decode_prompts, warm_up
+from lit_spec.measure import HFPeer, build_decoders, compare, decode_prompts, vllm_peer_runs, warm_up
+from lit_spec.precision import export_dtype
+from lit_spec.serving.vllm_runner import require_vllm
 from lit_spec.stages import ensure_stages
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,11 @@ def check_bench(cfg: DictConfig) -> dict[str, str]:
         raise ConfigError(f"bench.device={bench.device!r}: choose auto, cpu or cuda")
     if bench.get("metric") is not None:
         get_metric(bench.metric)  # an unknown name fails here
+    if bench.get("vllm_peers"):
+        if cfg.bench.device == "cuda" or bench.temperature:
+            raise ConfigError("bench.vllm_peers: vLLM's CPU build, greedy: set bench.device=cpu (or auto on a CPU "
+                              "machine) and bench.temperature=0, or bench.vllm_peers=null")
+        require_vllm()
     return {} if cfg.get("original") is None else check_drift_data(bench.get("drift_data"), "bench.drift_data")
 
 
@@ -146,6 +153,9 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
             bar.update()
 
         runs = decode_prompts(runners, prompts, max_new, eos, progress)
+    if cfg.bench.vllm_peers:
+        runs |= vllm_peer_runs(OmegaConf.to_container(cfg.bench.vllm_peers, resolve=True), spec.name_or_path,
+                               str(export_dtype("auto", spec)).removeprefix("torch."), prompts, max_new, eos)
     # sampled outputs differ by chance: token identity is a greedy (temperature 0) check only
     methods = compare(runs, "ar", exact=not cfg.bench.temperature, reference="hf_generate")
     results = {"model": spec.name_or_path, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
@@ -187,6 +197,7 @@ COLUMNS = [  # (header, cell of a method's results)
     ("tokens/s", lambda m: f"{m['tokens_per_s']:.1f}"),
     ("speedup vs our AR", lambda m: _fmt(m["speedup"], ".2f", "×")),
     ("speedup vs HF generate", lambda m: _fmt(m["speedup_reference"], ".2f", "×")),
+    ("÷ vLLM AR", lambda m: _fmt(m.get("speedup_vllm"), ".2f", "×")),
     ("τ (mean accepted)", lambda m: _fmt(m["mean_accepted"], ".2f")),
     ("target forwards", lambda m: _fmt(m["target_forwards"], "d")),
     ("new tokens", lambda m: str(m["new_tokens"])),

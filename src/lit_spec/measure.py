@@ -3,7 +3,8 @@
 sum the stats and compare every method with the AR baseline (speedup, τ, exact match).
 
 A *runner* is anything with ``generate(ids, max_new_tokens, eos_token_id) -> DecodeOutput``: our decoders, and
-``HFPeer`` (transformers' own ``generate`` in one of its modes, timed the same way).
+``HFPeer`` (transformers' own ``generate`` in one of its modes, timed the same way). vLLM runs in its own environment,
+all prompts in one call (``vllm_peer_runs``), and joins the comparison as runs.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from typing import Callable
 import torch
 
 from lit_spec.decoding import DECODERS, DecodeOutput, DecodeStats, Decoder, new_tokens
+from lit_spec.decoding.state import eos_ids, until_eos
 from lit_spec.decoding.stats import sync_device
 from lit_spec.errors import ConfigError
+from lit_spec.serving.vllm_runner import run_vllm
 
+VLLM_AR = "vllm"         # bench.vllm_peers' AR run, the one every method's tokens/s is divided by
 HF_PEERS = {"generate": "hf_generate", "assisted": "hf_assisted", "prompt_lookup": "hf_prompt_lookup"}
 # extras a decoder may return (key -> metric name), averaged over prompts
 EXTRAS = {"fast_forward_count": "fast_forward", "stationary_count": "stationary"}
@@ -78,6 +82,28 @@ class HFPeer:
 
     def reset(self) -> None:
         """Nothing carries over between calls."""
+
+
+def vllm_peer_runs(peers: dict[str, dict | None], model: str, dtype: str, prompts: list[torch.Tensor],
+                   max_new_tokens: int, eos) -> dict[str, "Run"]:
+    """vLLM (``lit_spec.serving.vllm_runner``) on the same prompt ids, one prompt at a time, greedy: ``{name:
+    speculative_config or None}``, each a ``Run`` like our decoders'. Its forwards are each prompt's prefill plus
+    its decode steps (τ as ours). vLLM counts neither its steps nor, for a step that drafted nothing (``ngram``
+    without a match), its drafts, so the steps are the larger of two lower bounds: the steps that drafted, and the
+    new tokens less the accepted ones (vLLM also counts tokens accepted past a prompt's stop, at most K a prompt)."""
+    ids = [p[0].tolist() for p in prompts]
+    results = run_vllm({name: {"model": model, **({"speculative_config": spec} if spec else {})}
+                        for name, spec in peers.items()}, ids, max_new_tokens, dtype=dtype)
+    runs = {}
+    for name, r in results.items():
+        outputs = [until_eos(t, eos_ids(eos)) for t in r.tokens]
+        new = sum(map(len, outputs))
+        forwards = max(len(ids) + r.drafts, new - r.accepted_tokens)
+        stats = DecodeStats(new_tokens=new, target_forwards=forwards, row_forwards=forwards,
+                            drafted_tokens=r.draft_tokens, accepted_tokens=r.accepted_tokens,
+                            wall_time=sum(r.seconds))
+        runs[name] = Run(outputs=outputs, stats=stats, extras=[{} for _ in ids])
+    return runs
 
 
 @dataclass
@@ -169,6 +195,8 @@ def compare(runs: dict[str, Run], baseline: str = "ar", exact: bool = True,
              "exact_match_reference": exact_match(run, runs[reference]) if reference in runs else None,
              "speedup_reference": (s.tokens_per_s / runs[reference].stats.tokens_per_s
                                    if reference in runs and runs[reference].stats.tokens_per_s else None),
+             "speedup_vllm": (s.tokens_per_s / runs[VLLM_AR].stats.tokens_per_s
+                              if VLLM_AR in runs and runs[VLLM_AR].stats.tokens_per_s else None),
              "forward_time": s.forward_time, "draft_time": s.draft_time,
              "engine_overhead": s.engine_overhead if s.forward_time else None,
              "ms_per_forward": 1e3 * s.forward_time / s.target_forwards if s.forward_time else None}

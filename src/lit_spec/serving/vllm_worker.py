@@ -92,6 +92,9 @@ def write_json(path: str, obj) -> None:
 def main(request_path: str, result_path: str) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the engine in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")            # GiB: the default takes most of the memory
+    # every core, as lit_spec's torch uses them (vLLM's default keeps one core back for its own processes)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     request = json.load(open(request_path))
     if "batches" in request:
         answer_batches(request, result_path)
