@@ -252,3 +252,9 @@ def test_a_trained_draft_is_named_and_its_bench_command_decodes_with_it(tmp_path
     printed = training_summary(cfg, {"global_step": 3}, [], 0, 1.0)
     assert f"export/          the trained {kind} draft" in printed and "model.name_or_path" not in printed
     assert f"python -m lit_spec.bench 'decoding=[{kind}]' decoding.{kind}.{param}={export} draft=null" in printed
+    assert "vllm serve" not in printed                        # no export/vllm (Hidden Transfer never has one)
+    if kind == "eagle3":
+        (export / "vllm").mkdir()
+        printed = training_summary(cfg, {"global_step": 3}, [], 0, 1.0)
+        assert (f"""vllm serve m --speculative-config '{{"method": "eagle3", "model": "{export / 'vllm'}", """
+                '"num_speculative_tokens": 4}\'') in printed

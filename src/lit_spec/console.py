@@ -148,6 +148,7 @@ def training_summary(cfg, metrics: dict, history: list, prompts: int, seconds: f
     heads = _heads_kind(export)
     files = [(export, f"the trained {heads} draft (heads.safetensors + heads.json)" if heads
               else "the trained model (save_pretrained)"),
+             (Path(export) / "vllm" if export else None, "the draft in vLLM's layout (docs/serving.md)"),
              (run / "checkpoints", "last.ckpt and the best by val/loss (resume: ckpt_path=.../last.ckpt)"),
              (run / "csv" / "metrics.csv", "every logged figure"),
              (run / "speedup.png", "τ, speedup, quality and answer-NLL drift over the steps"),
@@ -165,8 +166,28 @@ def training_summary(cfg, metrics: dict, history: list, prompts: int, seconds: f
     elif export and Path(export).exists():
         lines.append(f"  python -m lit_spec.bench model=hf model.name_or_path={export} model.dtype=float32  "
                      "# bench the export")
+    serve = _vllm_serve(cfg, export, heads)
+    if serve:
+        lines.append(f"  {serve}  # serve it (docs/serving.md)")
     lines.append(f"  python -m lit_spec.train -m {_sweep(cfg)}  # a sweep, one run each")
     return "\n".join(lines)
+
+
+def _vllm_serve(cfg, export, heads: str | None) -> str | None:
+    """The ``vllm serve`` command of a servable export: a draft beside the target it was trained on, or a trained
+    model (CLLM, Jacobi Forcing, AR: vLLM has no Jacobi decoding, so prompt lookup)."""
+    if not export or not Path(export).exists():
+        return None
+    target = cfg.model.name_or_path
+    if heads:
+        if not (Path(export) / "vllm").is_dir():
+            return None
+        draft = {"method": heads, "model": str(Path(export) / "vllm"), "num_speculative_tokens": 4}
+    elif cfg.method._target_.endswith("DraftDistillModule"):
+        draft = {"method": "draft_model", "model": str(export), "num_speculative_tokens": 4}
+    else:
+        target, draft = export, {"method": "ngram", "num_speculative_tokens": 10, "prompt_lookup_max": 3}
+    return f"vllm serve {target} --speculative-config '{json.dumps(draft)}'"
 
 
 def _heads_kind(export) -> str | None:
