@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 from lit_spec.config import config_dir
+from lit_spec.serving.vllm_runner import speculative_config
 
 # Raised inside a library, about the library's own code: silenced where they are raised ("" for any module: Lightning's
 # rank_zero_warn names its caller, not itself), each with why.
@@ -182,11 +183,11 @@ def _vllm_serve(cfg, export, heads: str | None) -> str | None:
     if heads:
         if not (Path(export) / "vllm").is_dir():
             return None
-        draft = {"method": heads, "model": str(Path(export) / "vllm"), "num_speculative_tokens": 4}
+        draft = speculative_config(heads, Path(export) / "vllm", 4)
     elif cfg.method._target_.endswith("DraftDistillModule"):
-        draft = {"method": "draft_model", "model": str(export), "num_speculative_tokens": 4}
+        draft = speculative_config("draft_model", export, 4)
     else:
-        target, draft = export, {"method": "ngram", "num_speculative_tokens": 10, "prompt_lookup_max": 3}
+        target, draft = export, speculative_config("ngram", None, 10)
     return f"vllm serve {target} --speculative-config '{json.dumps(draft)}'"
 
 

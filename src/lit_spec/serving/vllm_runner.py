@@ -1,7 +1,8 @@
 """vLLM, run from its own environment (``bash serving/install_vllm_cpu.sh`` makes ``.venv-vllm``; its transformers pin
-is not lit_spec's), through ``vllm_worker.py`` in a subprocess: the same prompt ids decoded greedily, one prompt at a
-time, with and without a draft, with vLLM's own speculative-decoding counters. ``VLLM_PYTHON`` names another
-environment's python."""
+is not lit_spec's), through ``vllm_worker.py`` in a subprocess: prompt ids decoded greedily one at a time, with and
+without a draft, with vLLM's own speculative-decoding counters (``run_vllm``: the serving tests, the bench), or
+answers to batches of prompts handed back batch by batch (``vllm_answers``: ``collect.engine=vllm``).
+``VLLM_PYTHON`` names another environment's python."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -53,10 +53,6 @@ class VLLMRun:
     def mean_acceptance_length(self) -> float:
         """vLLM's "Mean acceptance length": 1 + accepted / drafts (1.0 without a draft)."""
         return 1 + self.accepted_tokens / self.drafts if self.drafts else 1.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return sum(map(len, self.tokens)) / sum(self.seconds)
 
 
 def run_vllm(runs: dict[str, dict], prompts: list[list[int]], max_new_tokens: int, dtype: str = "float32",
@@ -120,12 +116,10 @@ def _work(request: dict, result: Path, poll: Callable[[], None] | None = None) -
 
 def speculative_config(kind: str, directory: str | Path, num_tokens: int) -> dict:
     """vLLM's ``--speculative-config`` for a lit_spec export: ``eagle3`` / ``medusa`` (the export's ``vllm/``
-    directory), ``draft_model`` (a model), ``ngram`` (prompt lookup, no directory)."""
+    directory), ``draft_model`` (a model), ``ngram`` (prompt lookup, no directory; n-grams of 3 down to 1, as our
+    ``prompt_lookup``'s defaults)."""
     if kind == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": num_tokens, "prompt_lookup_max": 4,
+        return {"method": "ngram", "num_speculative_tokens": num_tokens, "prompt_lookup_max": 3,
                 "prompt_lookup_min": 1}
     return {"method": kind, "model": str(directory), "num_speculative_tokens": num_tokens}
 
-
-if __name__ == "__main__":      # python -m lit_spec.serving.vllm_runner: where vLLM is, or how to install it
-    print(require_vllm(), file=sys.stdout)
