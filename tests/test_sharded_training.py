@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import MICRO_MODEL, MICRO_RUN, built_method, make_config
 from lit_spec.decoding import generate
+from lit_spec.serving.vllm_export import check_vllm_export
 from test_cllm import write_trajectories
 from test_draft_distill import STUDENT
 from test_eagle3 import EAGLE3
@@ -203,6 +204,8 @@ def check_export(method: str, export: Path, base_dir: str, initial: dict[str, to
         assert heads and all(v.numel() > 0 for v in heads.values()), "every tensor whole, none a ZeRO-3 partition"
         if method == "eagle3":
             assert heads["d2t"].any(), "the draft vocabulary of the training answers, not the first ids"
+        if method == "medusa":       # vLLM's layout too, whole (a ZeRO-3 partition is a misshapen weight there)
+            check_vllm_export(export / "vllm")
         draft = {"transfer": str(export), "tree": [2, 1]} if method == "hidden_transfer" else {"heads": str(export)}
         out = generate(base, ids, method, max_new_tokens=12, **draft)
         assert torch.equal(out.sequences, greedy)
