@@ -123,7 +123,7 @@ def check_bench(cfg: DictConfig) -> dict[str, str]:
     if bench.get("metric") is not None:
         get_metric(bench.metric)  # an unknown name fails here
     if bench.get("vllm_peers"):
-        if cfg.bench.device == "cuda" or bench.temperature:
+        if bench.device == "cuda" or bench.temperature:
             raise ConfigError("bench.vllm_peers: vLLM's CPU build, greedy: set bench.device=cpu (or auto on a CPU "
                               "machine) and bench.temperature=0, or bench.vllm_peers=null")
         require_vllm()

@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 EXPERIMENT_GROUPS = ("model", "data", "method", "trainer", "seed")   # what an experiment stage's key hashes
 COLLECT_GROUPS = ("model", "data", "collect", "seed")                # what a trajectory collection's key hashes
+# collect.* that change where a collection goes or how much of it is checked, not what it holds: left out of its key
+# and of the settings a resume must match (collection/run.py)
+NOT_COLLECTED = ("out_dir", "engine_check")
 
 
 @dataclass
@@ -109,7 +112,7 @@ def collection_stage(kind: str, node: DictConfig) -> Stage:
     # the collection's model stages share this run's cache (a command-line paths.cache_dir, not only LIT_SPEC_CACHE)
     cfg = compose_config([*overrides, f"paths.cache_dir={node.cache_dir}"], config_name="collect")
     hashed = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k in COLLECT_GROUPS}
-    for key in ("out_dir", "engine_check"):          # where it goes, how much is checked: not what is collected
+    for key in NOT_COLLECTED:
         hashed["collect"].pop(key, None)
     out = cache_entry(node.cache_dir, f"{kind}-{config_hash(hashed)}")
     with open_dict(cfg):

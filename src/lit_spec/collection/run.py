@@ -41,7 +41,7 @@ from lit_spec.data.trajectories import (LOCK, META, check_parts, done_batches, p
                                         write_meta)
 from lit_spec.errors import ConfigError, DataError, Interrupted, signal_of
 from lit_spec.io import check_writable, one_writer
-from lit_spec.stages import build_stages, find_stages
+from lit_spec.stages import NOT_COLLECTED, build_stages, find_stages
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _first_difference(a, b, path: str = "") -> str:
 def collection_config(cfg: DictConfig, model_spec) -> dict:
     """What a collection's output depends on (stored in meta.json; a resume must match it)."""
     collect = OmegaConf.to_container(cfg.collect, resolve=True)
-    for key in ("out_dir", "engine_check"):          # where it goes, how much is checked: not what is collected
+    for key in NOT_COLLECTED:
         collect.pop(key, None)
     config = {"model": model_spec.to_dict(), "data": OmegaConf.to_container(cfg.data, resolve=True),
               "collect": collect}
