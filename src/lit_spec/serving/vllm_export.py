@@ -96,7 +96,7 @@ def expected_eagle3(c: dict) -> dict[str, tuple]:
     h, n, v, hd = c["hidden_size"], c["draft_vocab_size"], c["vocab_size"], c["head_dim"]
     q, kv, i = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd, c["intermediate_size"]
     features = len(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) * c["target_hidden_size"]
-    shapes = {"fc.weight": (h, features), "norm.weight": (h,), "lm_head.weight": (n, h), "t2d": (v,),
+    shapes = {"fc.weight": (h, features), "norm.weight": (h,), "lm_head.weight": (n, h),
               "midlayer.self_attn.q_proj.weight": (q, 2 * h), "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
               "midlayer.self_attn.v_proj.weight": (kv, 2 * h), "midlayer.self_attn.o_proj.weight": (h, q),
               "midlayer.mlp.gate_proj.weight": (i, h), "midlayer.mlp.up_proj.weight": (i, h),
