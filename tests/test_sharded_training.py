@@ -60,14 +60,17 @@ LORA = ("ar_lora", "ar_lora_checkpointing")
 # (Medusa, standing for Chimera, Hidden Transfer and EAGLE-3, also under bf16 ZeRO-2 and DDP, where every rank holds a
 # whole trained part; the rehearsal runs Chimera and Hidden Transfer under DDP with a bf16 base, EAGLE-3 under ZeRO-2).
 # Jacobi Forcing: its batches differ from CLLM's, its sharded path does not; packed CLLM runs
-# Jacobi Forcing's step, under the card's ZeRO-3 in bf16. AR with LoRA
+# Jacobi Forcing's step, under the card's ZeRO-3 in bf16. Under bf16 DDP and ZeRO-2, where every rank holds the whole
+# trained model, CLLM (a trained model beside its frozen original) stands for AR and Jacobi Forcing (a trained model
+# alone); both still run bf16 under ZeRO-3 and FSDP2. AR with LoRA
 # adapters: in bf16 under the strategies that shard them, ZeRO-3 and FSDP2 (the fast suite checks its merge and
 # losslessness in fp32).
 ALIKE_HEADS = ("chimera", "hidden_transfer", "eagle3")
+ALIKE_MODELS = ("ar", "jacobi_forcing")
 MATRIX = [(m, "deepspeed_zero3") for m in METHODS if m not in (*LORA, "cllm_packed")] + [
     (m, "deepspeed_zero2") for m in ("cllm", "medusa")] + [(m, "fsdp") for m in ("ar", "cllm", "medusa")]
 BF16_MATRIX = [(m, s) for m in METHODS if m not in (*LORA, "cllm_packed") for s in ("ddp", *ZERO, "fsdp")
-               if not (m in ALIKE_HEADS and s in ("ddp", "deepspeed_zero2"))] + [
+               if not (m in (*ALIKE_HEADS, *ALIKE_MODELS) and s in ("ddp", "deepspeed_zero2"))] + [
     ("ar_lora", "deepspeed_zero3"), ("ar_lora", "fsdp"), ("ar_lora_checkpointing", "deepspeed_zero3"),
     ("cllm_packed", "deepspeed_zero3")]
 # resumed in bf16 under ZeRO-3 (bf16 weights, fp32 masters): a trained model, trained heads, LoRA adapters; every
