@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from omegaconf import open_dict
 from transformers import AutoModelForCausalLM
 
+from closeness import assert_same_gradients
 from conftest import MICRO_MODEL, make_config
 from lit_spec.config import build
 from lit_spec.data import IGNORE_INDEX, TrajectoryDataModule
@@ -238,31 +239,46 @@ def test_length_buckets_keep_every_item_and_pad_less():
         assert list(sampler)[:8] == whole[r:16:2]
 
 
-def _wider(batch: dict, extra: int) -> dict:
+def _wider(batch: dict, extra: int, leak: bool = False) -> dict:
     """The batch with ``extra`` more padding columns in every [B, T] tensor (the pad id 0, no attention, nothing
-    compared, labels ignored)."""
-    return {k: torch.cat([v, v.new_full((v.size(0), extra), IGNORE_INDEX if "labels" in k else 0)], 1)
+    compared, labels ignored). ``leak``: row 0's first padded column is attended, so the AR term reads it (a
+    padding bug)."""
+    wide = {k: torch.cat([v, v.new_full((v.size(0), extra), IGNORE_INDEX if "labels" in k else 0)], 1)
             if v.dim() == 2 else v for k, v in batch.items()}
+    if leak:
+        for mask in ("attention_mask", "ar_attention_mask"):
+            wide[mask][0, -extra] = 1
+    return wide
+
+
+def _terms_and_gradients(batch: dict, leak: bool = False):
+    """CLLM's terms and every parameter's gradient on ``batch`` and on it padded 5 columns wider."""
+    from random_models import random_model
+
+    module = CLLMModule(SimpleNamespace(to_dict=dict), n_tokens=3)
+    module.model = random_model(vocab=512).train()
+    found = []
+    for b in (batch, _wider(batch, 5, leak)):
+        module.model.zero_grad()
+        terms = module._losses(b)
+        (terms[0] + 10 * terms[1]).backward()
+        found.append(([t.item() for t in terms], {k: p.grad.clone() for k, p in module.model.named_parameters()}))
+    return found
 
 
 def test_padding_changes_neither_the_losses_nor_the_gradients():
     """What bucketing changes is how wide a batch pads: the same items padded wider give the same terms and
-    gradients."""
-    from random_models import random_model
-
+    gradients, up to fp32 rounding (a wider pad reorders the sums); a padded position that a term reads does not."""
     record = _record(0)
     items = [consistency_item(record, 0, 1), consistency_item(record, 1, 0)]
     batch = TrajectoryDataModule(path="unused").collate([{**it, "ar": ar_item(record)} for it in items])
-    module = CLLMModule(SimpleNamespace(to_dict=dict), n_tokens=3)
-    module.model = random_model(vocab=512).train()
-    found = []
-    for b in (batch, _wider(batch, 5)):
-        module.model.zero_grad()
-        terms = module._losses(b)
-        (terms[0] + 10 * terms[1]).backward()
-        found.append(([t.item() for t in terms], [p.grad.clone() for p in module.model.parameters()]))
-    assert found[0][0] == pytest.approx(found[1][0], rel=1e-5)
-    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(found[0][1], found[1][1]))
+    (terms, grads), (wide_terms, wide_grads) = _terms_and_gradients(batch)
+    assert terms == pytest.approx(wide_terms, rel=1e-5)
+    assert_same_gradients(wide_grads, grads)
+    # the comparison fails on a leak: one padded token read by the AR term
+    _, (_, leaked) = _terms_and_gradients(batch, leak=True)
+    with pytest.raises(AssertionError, match="model"):
+        assert_same_gradients(leaked, grads)
 
 
 def test_validation_split_and_errors(tmp_path):
@@ -338,8 +354,7 @@ def test_the_losses_by_hand_as_the_authors_code_and_the_paper_weigh_them(paper, 
     hand = _hand_losses(module.model, items, record, compared[:len(items)], paper)
     assert (consistency.item(), ar.item()) == pytest.approx([h.item() for h in hand], rel=1e-5)
     (hand[0] + 10 * hand[1]).backward()
-    for name, param in module.model.named_parameters():
-        assert torch.allclose(got[name], param.grad, rtol=1e-4, atol=1e-5), name
+    assert_same_gradients(got, {k: p.grad for k, p in module.model.named_parameters()})
 
 
 @pytest.mark.parametrize("kwargs, match", [({"distance": "l1"}, "distance"), ({"consistency": "both"}, "consistency"),
@@ -449,8 +464,7 @@ def test_packed_cllm_is_the_per_block_step_in_one_forward():
     hand = sum(kls) / len(kls) / len(blocks)
     assert (consistency.item(), ar.item()) == pytest.approx([hand.item(), ce.item()], rel=1e-5)
     (hand + 10 * ce).backward()
-    for name, param in model.named_parameters():
-        assert torch.allclose(got[name], param.grad, rtol=1e-4, atol=1e-5), name
+    assert_same_gradients(got, {k: p.grad for k, p in model.named_parameters()})
     assert list(module.decoders()) == ["jacobi"]
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from closeness import assert_same_gradients
 from conftest import MICRO_MODEL, make_config
 from lit_spec.config import build
 from lit_spec.data import IGNORE_INDEX, NoisyTrajectoryDataModule
@@ -135,8 +136,7 @@ def test_losses_of_one_forward_equal_the_formulas_on_plain_forwards(paper):
     expected = sum(per_block) / len(per_block) if paper else sum(per_record) / len(per_record)
     assert (consistency.item(), ar.item()) == pytest.approx([expected.item(), (sum(ce) / len(ce)).item()], rel=1e-4)
     (expected + 10.0 * sum(ce) / len(ce)).backward()
-    for name, param in model.named_parameters():
-        assert torch.allclose(got[name], param.grad, rtol=1e-4, atol=1e-5), name
+    assert_same_gradients(got, {k: p.grad for k, p in model.named_parameters()})
     assert module.training_step(batch, 0).item() == pytest.approx(consistency.item() + 10.0 * ar.item(), rel=1e-5)
 
 
