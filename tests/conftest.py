@@ -51,13 +51,18 @@ def pytest_cmdline_main(config):
 @pytest.fixture(scope="session", autouse=True)
 def stage_cache(tmp_path_factory) -> Path:
     """Every test builds stages (tiny model, tiny target) into one private cache, never the user's, and ``datasets``
-    caches what it reads or generates (the stdlib corpus, parsed once a session) in another: in this process and in
-    every process a test starts."""
+    caches what it reads or generates (the stdlib corpus, parsed once a run) in another: in this process and in every
+    process a test starts."""
     import datasets
 
     cache = tmp_path_factory.mktemp("lit_spec_cache")
     os.environ["LIT_SPEC_CACHE"] = str(cache)
-    os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("hf_datasets"))
+    # one datasets cache for the run's xdist workers: the stdlib corpus is parsed once, not once a worker (datasets
+    # locks a cache entry while it is written, so a second worker waits and reads it)
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    (shared / "hf_datasets").mkdir(exist_ok=True)
+    os.environ["HF_DATASETS_CACHE"] = str(shared / "hf_datasets")
     datasets.config.HF_DATASETS_CACHE = Path(os.environ["HF_DATASETS_CACHE"])
     return cache
 

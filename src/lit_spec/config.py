@@ -3,6 +3,8 @@ for stage caches."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import os
@@ -30,11 +32,23 @@ def config_dir() -> Path:
 
 
 def compose_config(overrides: Sequence[str] = (), config_name: str = "train") -> DictConfig:
-    """Compose ``conf/<config_name>.yaml`` with overrides, inside a running Hydra app or outside one."""
+    """Compose ``conf/<config_name>.yaml`` with overrides, inside a running Hydra app or outside one. Outside one, a
+    composition is kept per (overrides, conf/ as it is on disk) and each call gets its own copy: a process composes
+    the same stage and data configs again and again, and each compose parses some 25 YAML files."""
     if GlobalHydra.instance().is_initialized():
         return compose(config_name=config_name, overrides=list(overrides))
+    return copy.deepcopy(_composed(tuple(overrides), config_name, _conf_stamp()))
+
+
+@functools.lru_cache(maxsize=256)
+def _composed(overrides: tuple[str, ...], config_name: str, stamp: tuple) -> DictConfig:
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return compose(config_name=config_name, overrides=list(overrides))
+
+
+def _conf_stamp() -> tuple:
+    """conf/'s YAML files, each with its size and last change: an edited, added or removed config composes anew."""
+    return tuple(sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in config_dir().rglob("*.yaml")))
 
 
 def config_hash(obj, length: int = 10) -> str:
