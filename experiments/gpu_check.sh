@@ -1,82 +1,103 @@
 #!/usr/bin/env bash
-# The card's configuration on one real GPU (H100/H200), from the repository root, in <= 10 minutes with the stages
-# cached (docs/distributed.md, "Check a GPU machine", says how to carry them to a machine without network):
-# 1. CLLM, Chimera, Hidden Transfer and Jacobi Forcing quickstarts under ZeRO-3 in bf16-mixed (trainer=gpu), each
-#    exporting after training, when Lightning's teardown has moved the module to the CPU (the export must run before);
-# 2. the decoding bench on CUDA: the tiny target in fp32 and bf16 (every training-free decoder, the paper's lookahead
-#    beside the CPU setting, transformers' peers), then the CLLM export of step 1 against the tiny target it came from;
-# 3. CLLM under ZeRO-2 and FSDP2; frozen-base methods beside a bf16 base, the trained heads in fp32 (bf16-mixed):
-#    Chimera under DDP, Hidden Transfer under FSDP2; last, CLLM under ZeRO-3 offload (it JIT-builds DeepSpeed's CPU Adam).
-# One summary line per run (exit code, wall time, steps, τ and speedup before -> after, exact, the speedup callback's
-# seconds per measurement) in $OUT/summary.txt, each run's log beside it, and everything in $OUT/gpu_check.tgz.
-# STEPS (default 150) sets the training steps; RUN_TIMEOUT (default 240 s) bounds each run, and all of them end by
-# DEADLINE seconds (default 540) after the start (a run with under 30 s left is listed as skipped), so that one
-# device call always returns its summary.
-set -uf   # -f: the decoder lists in brackets are not globs
-out=${OUT:-logs/gpu_check}
-mkdir -p "$out"
-export LIT_SPEC_CACHE=${LIT_SPEC_CACHE:-$HOME/.cache/lit_spec} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 WANDB_MODE=offline
-steps=${STEPS:-150} run_timeout=${RUN_TIMEOUT:-240} deadline=$(( $(date +%s) + ${DEADLINE:-540} ))
-decoders="[jacobi,multiblock,lookahead,lookahead_cpu,prompt_lookup,speculative,tree,ouroboros]"
+# The one device call of a lent GPU (H100/H200), from the repository root; docs/distributed.md, "Check a GPU machine",
+# gives the call and how to prepare what it carries. After the setup (experiments/gpu_setup.sh: the wheels, the
+# stages, a python that keeps the image's environment, offline), most valuable first:
+# 1. the CLLM (trainer=a100x8 with one device), Chimera, Hidden Transfer and Jacobi Forcing quickstarts under ZeRO-3
+#    in bf16-mixed, each exporting after training;
+# 2. EAGLE-3 under ZeRO-2, its export with the vllm/ layout;
+# 3. Chimera under DDP and Hidden Transfer under FSDP2, each beside a bf16 base;
+# 4. the bench on the device, which loads the exports and generates with them: the EAGLE-3 draft (dynamic tree and
+#    chain), Chimera's and Hidden Transfer's against AR and `generate`; the CLLM export against its tiny target; the
+#    Jacobi Forcing export; the training-free decoders in bf16.
+# Every run is a step (gpu_setup.sh): bounded, its line printed the moment it ends (exit code, seconds, what it
+# measured: experiments/gpu_check.py), its log in $OUT (default logs/gpu_check). The trainings run JOBS at a time
+# (default 4: the tiny models leave a GPU mostly idle), then the benches. STEPS (default 150) sets the training steps,
+# RUN_TIMEOUT (default 300 s) bounds each run, and every run ends by DEADLINE seconds (default 450) after the start (a
+# run with under 30 s left is listed as skipped), so that the call always returns its summary, printed last.
+# --rehearse: the same steps on this machine's CPU, one at a time (tests/test_gpu_check.py, the slow tier); the file
+# $GPU_CHECK_OVERRIDES, if set, adds overrides to runs: each line a glob on kind/name (train/cllm_zero3, bench/*),
+# then the overrides (the rehearsal's sizes). Exit code 0 when every step ended with 0 and none was skipped.
+set -u
+case ${1:-} in
+  "") rehearse=0 ;;
+  --rehearse) rehearse=1 ;;
+  *) echo "usage: bash experiments/gpu_check.sh [--rehearse]" >&2; exit 2 ;;
+esac
+if [[ -n ${GPU_CHECK_OVERRIDES:-} && ! -f $GPU_CHECK_OVERRIDES ]]; then
+  echo "GPU_CHECK_OVERRIDES=$GPU_CHECK_OVERRIDES: no such file" >&2; exit 2
+fi
+deadline=$(( SECONDS + ${DEADLINE:-450} ))
+# shellcheck source=experiments/gpu_setup.sh
+source experiments/gpu_setup.sh
+set -f   # the decoder lists in brackets are not globs
+steps=${STEPS:-150} run_timeout=${RUN_TIMEOUT:-300} runs=$root/runs
+if ((rehearse)); then accelerator=cpu device=cpu jobs=1; else accelerator=gpu device=cuda jobs=${JOBS:-4}; fi
 
-train() {  # name, overrides...
-  local name=$1 run=/tmp/gpu_check/$1 start rc; shift
-  rm -rf "$run"; start=$(date +%s)
-  timeout "$limit" python -m lit_spec.train "$@" trainer=gpu trainer.max_steps=$steps \
-    trainer.val_check_interval=$((steps / 2)) hydra.run.dir=$run > "$out/$name.log" 2>&1
-  rc=$?
-  python - "$run" "$name" "$rc" "$(( $(date +%s) - start ))" <<'PY' | tee -a "$out/summary.txt"
-import csv, json, pathlib, sys
-run, name, rc, secs = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
-line = f"{name:30s} rc={rc} wall={secs}s"
-try:
-    m = json.loads((run / "metrics.json").read_text())
-    rows = list(csv.DictReader(open(run / "csv" / "metrics.csv")))
-    first = lambda k: next(float(r[k]) for r in rows if r.get(k))                 # noqa: E731
-    line += f" step={m['global_step']}"
-    for k in sorted(k for k in m if k.startswith("mean_accepted/")):
-        d = k.split("/", 1)[1]
-        line += (f" {d}: τ {first(k):.2f}->{m[k]:.2f} speedup {first('speedup/' + d):.2f}->{m['speedup/' + d]:.2f}"
-                 f" exact {m['exact_match/' + d]:.2f}")
-    line += f" callback={m.get('time/measure_s', float('nan')):.1f}s/measurement"
-    line += " export=" + ("yes" if (run / "export" / "lit_spec_export.json").is_file() else "MISSING")
-except Exception as e:  # report, don't hide
-    line += f" FAILED: {type(e).__name__}: {str(e)[:200]}"
-print(line)
-PY
+extra() {  # kind/name: the overrides of $GPU_CHECK_OVERRIDES's lines whose glob matches it
+  local glob overrides
+  [[ -n ${GPU_CHECK_OVERRIDES:-} ]] || return 0
+  while read -r glob overrides; do
+    # shellcheck disable=SC2053
+    [[ $glob != \#* && $1 == $glob ]] && printf ' %s' "$overrides"
+  done < "$GPU_CHECK_OVERRIDES"
+}
+
+train() {  # name, overrides...: trains, then exports into $runs/name/export
+  local name=$1 run=$runs/$1; shift
+  rm -rf "$run"
+  # shellcheck disable=SC2046
+  DETAIL="python experiments/gpu_check.py train $run" step "$name" "$limit" python -m lit_spec.train "$@" \
+    trainer.accelerator=$accelerator trainer.max_steps="$steps" trainer.max_epochs=-1 \
+    trainer.check_val_every_n_epoch=null trainer.val_check_interval=$(( steps > 1 ? steps / 2 : 1 )) \
+    hydra.run.dir="$run" $(extra "train/$name")
 }
 
 bench() {  # name, overrides...
-  local name=$1 run=/tmp/gpu_check/$1 start rc; shift
-  rm -rf "$run"; start=$(date +%s)
-  timeout "$limit" python -m lit_spec.bench bench.device=cuda "$@" hydra.run.dir=$run > "$out/$name.log" 2>&1
-  rc=$?
-  echo "$name rc=$rc wall=$(( $(date +%s) - start ))s" | tee -a "$out/summary.txt"
-  cat "$run/bench.md" >> "$out/summary.txt" 2>/dev/null
+  local name=$1 run=$runs/$1; shift
+  rm -rf "$run"
+  # shellcheck disable=SC2046
+  DETAIL="python experiments/gpu_check.py bench $run" step "$name" "$limit" python -m lit_spec.bench "$@" \
+    bench.device=$device hydra.run.dir="$run" $(extra "bench/$name")
 }
 
-runs=(
-  "train cllm_zero3 +experiment=cllm_quickstart strategy=deepspeed_zero3"
-  "train chimera_zero3 +experiment=chimera_quickstart strategy=deepspeed_zero3"
-  "train hidden_transfer_zero3 +experiment=hidden_transfer_quickstart strategy=deepspeed_zero3"
-  "train jacobi_forcing_zero3 +experiment=jacobi_forcing_quickstart strategy=deepspeed_zero3"
-  "bench bench_tiny_float32 model.dtype=float32 decoding=$decoders"
-  "bench bench_tiny_bfloat16 model.dtype=bfloat16 decoding=$decoders"
-  "bench bench_cllm_export model=hf model.name_or_path=/tmp/gpu_check/cllm_zero3/export model.dtype=float32
-   model@original=tiny_target decoding=[jacobi,multiblock,lookahead,lookahead_cpu]"
-  "train cllm_zero2 +experiment=cllm_quickstart strategy=deepspeed_zero2"
-  "train cllm_fsdp +experiment=cllm_quickstart strategy=fsdp"
-  "train chimera_ddp_bf16_base +experiment=chimera_quickstart strategy=ddp model.dtype=bfloat16"
-  "train hidden_transfer_fsdp_bf16_base +experiment=hidden_transfer_quickstart strategy=fsdp model.dtype=bfloat16"
-  "train cllm_zero3_offload +experiment=cllm_quickstart strategy=deepspeed_zero3_offload"
-)
-for entry in "${runs[@]}"; do
-  left=$(( deadline - $(date +%s) ))
-  if (( left < 30 )); then
-    echo "skipped (deadline): $entry" | tee -a "$out/summary.txt"; continue
-  fi
+launch() {  # kind name overrides...: in the background once fewer than $jobs run, bounded by what DEADLINE leaves
+  while (( $(jobs -rp | wc -l) >= jobs )); do wait -n; done
+  local left=$(( deadline - SECONDS ))
+  if (( left < 30 )); then report "$2 skipped: ${left}s left before DEADLINE"; return; fi
   limit=$(( left < run_timeout ? left : run_timeout ))
+  "$@" &
+}
+
+trains=(
+  "cllm_zero3 +experiment=cllm_quickstart trainer=a100x8 trainer.devices=1 strategy=deepspeed_zero3"
+  "chimera_zero3 +experiment=chimera_quickstart trainer=gpu strategy=deepspeed_zero3"
+  "hidden_transfer_zero3 +experiment=hidden_transfer_quickstart trainer=gpu strategy=deepspeed_zero3"
+  "jacobi_forcing_zero3 +experiment=jacobi_forcing_quickstart trainer=gpu strategy=deepspeed_zero3"
+  "eagle3_zero2 +experiment=eagle3_quickstart trainer=gpu strategy=deepspeed_zero2"
+  "chimera_ddp_bf16_base +experiment=chimera_quickstart trainer=gpu strategy=ddp model.dtype=bfloat16"
+  "hidden_transfer_fsdp_bf16_base +experiment=hidden_transfer_quickstart trainer=gpu strategy=fsdp model.dtype=bfloat16"
+)
+e3=$runs/eagle3_zero2/export
+benches=(
+  "bench_heads decoding=[eagle3,eagle3_chain,chimera,hidden_transfer] decoding.eagle3.heads=$e3
+   decoding.eagle3_chain.heads=$e3 decoding.chimera.heads=$runs/chimera_zero3/export
+   decoding.hidden_transfer.transfer=$runs/hidden_transfer_zero3/export draft=null bench.hf_peers=[generate]"
+  "bench_cllm_export model=hf model.name_or_path=$runs/cllm_zero3/export model.dtype=float32
+   model@original=tiny_target decoding=[jacobi,multiblock,lookahead,lookahead_cpu]"
+  "bench_jacobi_forcing_export model=hf model.name_or_path=$runs/jacobi_forcing_zero3/export model.dtype=float32
+   decoding=[jacobi,multiblock] draft=null bench.hf_peers=[generate]"
+  "bench_training_free_bf16 model.dtype=bfloat16
+   decoding=[jacobi,multiblock,lookahead,lookahead_cpu,prompt_lookup,speculative,tree,ouroboros]"
+)
+if ! grep -q 'rc=[1-9]' "$out/summary.txt"; then     # a failed setup fails every run: its lines say why
   # shellcheck disable=SC2086
-  $entry
-done
+  for entry in "${trains[@]}"; do launch train $entry; done
+  wait      # the benches read the trainings' exports
+  # shellcheck disable=SC2086
+  for entry in "${benches[@]}"; do launch bench $entry; done
+  wait
+fi
+echo "== summary ($out/summary.txt; logs in $out/gpu_check.tgz)"
+cat "$out/summary.txt"
 tar czf "$out/gpu_check.tgz" -C "$out" --exclude=gpu_check.tgz . 2>/dev/null
+! grep -q 'rc=[1-9]\|skipped' "$out/summary.txt"
