@@ -14,9 +14,10 @@
 # (default 4: the tiny models leave a GPU mostly idle), then the benches. STEPS (default 150) sets the training steps,
 # RUN_TIMEOUT (default 300 s) bounds each run, and every run ends by DEADLINE seconds (default 450) after the start (a
 # run with under 30 s left is listed as skipped), so that the call always returns its summary, printed last.
-# --rehearse: the same steps on this machine's CPU, one at a time (tests/test_gpu_check.py, the slow tier); the file
-# $GPU_CHECK_OVERRIDES, if set, adds overrides to runs: each line a glob on kind/name (train/cllm_zero3, bench/*),
-# then the overrides (the rehearsal's sizes). Exit code 0 when every step ended with 0 and none was skipped.
+# --rehearse: the same steps on this machine's CPU, JOBS (default 2) at a time (tests/test_gpu_check.py, the slow
+# tier). The file $GPU_CHECK_OVERRIDES, if set, adds overrides to runs: each line a glob on kind/name
+# (train/cllm_zero3, bench/*), then the overrides (the rehearsal's sizes).
+# Exit code 0 when every step ended with 0 and none was skipped.
 set -u
 case ${1:-} in
   "") rehearse=0 ;;
@@ -31,7 +32,12 @@ deadline=$(( SECONDS + ${DEADLINE:-450} ))
 source experiments/gpu_setup.sh
 set -f   # the decoder lists in brackets are not globs
 steps=${STEPS:-150} run_timeout=${RUN_TIMEOUT:-300} runs=$root/runs
-if ((rehearse)); then accelerator=cpu device=cpu jobs=1; else accelerator=gpu device=cuda jobs=${JOBS:-4}; fi
+if ((rehearse)); then   # two runs at a time on 2 cores, a torch thread each: the GPU's pool of JOBS rehearsed
+  accelerator=cpu device=cpu jobs=${JOBS:-2}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+else
+  accelerator=gpu device=cuda jobs=${JOBS:-4}
+fi
 
 extra() {  # kind/name: the overrides of $GPU_CHECK_OVERRIDES's lines whose glob matches it
   local glob overrides

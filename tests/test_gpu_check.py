@@ -40,8 +40,9 @@ STDLIB = ["data.max_train_samples=64", "data.max_eval_samples=16", "data.max_pro
           "data.max_answer_tokens=32"]
 # kind/name glob -> the rehearsal's sizes (GPU_CHECK_OVERRIDES): few steps, prompts and tokens
 OVERRIDES = {
-    "train/*": ["callbacks.speedup.num_prompts=2", "callbacks.speedup.max_new_tokens=8", "callbacks.speedup.drift_data=null",
-                "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false", "trainer.limit_val_batches=2"],
+    "train/*": ["callbacks.speedup.num_prompts=2", "callbacks.speedup.max_new_tokens=8",
+                "callbacks.speedup.drift_data=null", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
+                "trainer.limit_val_batches=2"],
     "train/cllm_*": TRAJECTORIES,
     "train/jacobi_forcing_*": [*TRAJECTORIES, "data.noise_window=2"],
     "train/chimera_*": STDLIB,
@@ -100,7 +101,10 @@ def rehearse(work: Path, tmp: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "WANDB_MODE")}
     env |= {"PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "LIT_SPEC_CACHE": str(tmp / "cache"),
             "GPU_CHECK_ROOT": str(tmp / "root"), "GPU_CHECK_OVERRIDES": str(overrides), "STEPS": "1",
-            "RUN_TIMEOUT": "150", "DEADLINE": "600"}
+            "RUN_TIMEOUT": "150", "DEADLINE": "600",
+            # DeepSpeed's CPU op, built from the carried wheel's sources: kept apart from the one the other tiers
+            # build from the venv's (each would rebuild the other's)
+            "TORCH_EXTENSIONS_DIR": str(tmp / "torch_extensions")}
     return subprocess.run(["bash", "experiments/gpu_check.sh", "--rehearse"], cwd=work, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
 
@@ -120,9 +124,10 @@ def test_device_call_rehearsed_on_cpu(tmp_path):
         assert "export=yes" in lines[name] and (tmp_path / "root" / "runs" / name / "export").is_dir(), lines[name]
         assert "FAILED" not in lines[name]
     assert "export=yes+vllm" in lines["eagle3_zero2"]
-    for name in runs["bench"]:     # each decoder generated, exactly as our AR did (every one is lossless)
+    for name in runs["bench"]:     # each decoder generated; in fp32 exactly as our AR did (every one is lossless)
         decoders = lines[name].split(" | ")[1:]
-        assert decoders and all(re.search(r"exact 1\.00 tokens [1-9]", d) for d in decoders), lines[name]
+        generated = r"exact 1\.00 tokens [1-9]" if "float32" in lines[name] else r"tokens [1-9]"
+        assert decoders and all(re.search(generated, d) for d in decoders), lines[name]
     for log in out.glob("*.log"):   # every stage came from the tarball
         assert "building into" not in log.read_text(), log.name
     assert (out / "gpu_check.tgz").is_file()
