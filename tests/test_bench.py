@@ -23,6 +23,7 @@ def bench_config(tmp_path, target, draft, *overrides):
     cfg = compose_config([
         "model=hf", f"model.name_or_path={target}", "model.dtype=float32", *draft_override, "decoding=[]",
         "bench.num_prompts=3", "bench.max_new_tokens=16", "bench.warmup_prompts=1", "data.max_prompt_tokens=48",
+        "data.max_train_samples=8",     # a bench decodes held-out prompts; the train split is tokenized all the same
         *overrides], config_name="bench")
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp_path)

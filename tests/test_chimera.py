@@ -315,6 +315,7 @@ def test_a_batch_without_answer_tokens_gives_a_zero_loss(micro_config):
     assert all(p.grad is not None and not p.grad.any() for p in module.heads.parameters())
 
 
+@pytest.mark.slow      # end to end: train, export, resume
 @pytest.mark.parametrize("method", ["chimera", "medusa"])
 def test_train_logs_head_accuracy_exports_the_heads_and_resumes(micro_config, tmp_path, method):
     """A micro run: per-head top-k accuracy and the speedup callback's numbers are logged; the export holds only the

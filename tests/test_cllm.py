@@ -468,6 +468,7 @@ def test_packed_cllm_is_the_per_block_step_in_one_forward():
     assert list(module.decoders()) == ["jacobi"]
 
 
+@pytest.mark.slow      # end to end: train, checkpoint, resume
 def test_a_run_that_distils_from_the_original_checkpoints_without_it_and_resumes(tmp_path):
     traj = write_trajectories(tmp_path / "traj", train=4)
     run = [*MICRO_MODEL, "method=cllm", "data=trajectories", f"data.path={traj}", "data.batch_size=2",
@@ -531,6 +532,7 @@ def test_the_block_size_must_be_the_collected_one(tmp_path):
 
 
 # ---- the default pipeline: collect -> train -> measure -----------------------------------------------------------
+@pytest.mark.slow      # end to end: collect, train, measure
 def test_collect_train_and_measure_in_one_run(tmp_path):
     """``data.path=null``: the run collects the trajectories (cached), consistency-trains on them, and the speedup
     callback decodes held-out prompts with AR and Jacobi before training and after each validation."""

@@ -114,6 +114,7 @@ def test_speculative_accept_preserves_target_distribution():
     assert chi2(counts, q[0], n)[0] > 10 * chi2_critical(df)  # the test can tell p from q
 
 
+@pytest.mark.slow      # end to end: 800 seeded decodes a case (the accept step alone is tested above)
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_sampling_matches_target_distribution(top_p):
     """End to end on a vocab-8 model: the 2nd and 3rd generated tokens (drafted, verified, resampled or the target's

@@ -203,7 +203,12 @@ def test_command_parsing():
         compositions("no_such_module", [])
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_ids(PAGES))
+# the README's commands in the unit tier; the manual's (some 120 composes, a sixth of the unit tier) in the slow one
+COMPOSED = [pytest.param(p, id=i, marks=[] if p.name == "README.md" else [pytest.mark.slow])
+            for p, i in zip(PAGES, _ids(PAGES))]
+
+
+@pytest.mark.parametrize("page", COMPOSED)
 def test_commands_compose(page):
     """Each command composes its entry point's config as ``--cfg job`` does, in this process (nothing is built)."""
     failures, done = [], {}

@@ -222,6 +222,7 @@ def test_export_is_the_student_and_checkpoints_hold_no_teacher(micro_config, tmp
         DraftDistillModule.load_from_checkpoint(tmp_path / "broken.ckpt", weights_only=True)
 
 
+@pytest.mark.slow      # end to end: train, export, resume
 def test_micro_run_measures_speculative_decoding_of_the_teacher_and_resumes(micro_config, tmp_path):
     """Through ``run_training`` (the Hydra config path): the speedup callback decodes the TEACHER with AR and with
     speculative decoding drafted by the student (lossless: the same output), the validation logs agreement, the

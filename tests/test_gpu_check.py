@@ -53,10 +53,9 @@ OVERRIDES = {
 
 
 def script_runs() -> dict[str, list[str]]:
-    """The run names of gpu_check.sh's two lists, by kind (read from the script: a run added there is checked)."""
-    text = SCRIPT.read_text()
-    return {kind: re.findall(r'^  "(\w+) ', re.search(rf"^{array}=\((.*?)^\)", text, re.M | re.S).group(1), re.M)
-            for kind, array in (("train", "trains"), ("bench", "benches"))}
+    """The run names in gpu_check.sh's lists, by kind (read from the script: a run added there is checked)."""
+    runs = re.findall(r'^  "(train|bench) (\w+) ', SCRIPT.read_text(), re.M)
+    return {kind: [name for k, name in runs if k == kind] for kind in ("train", "bench")}
 
 
 def micro_stages(cache: Path) -> list[str]:

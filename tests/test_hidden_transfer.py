@@ -157,6 +157,7 @@ def test_a_training_step_changes_the_maps_only(micro_config):
     assert loss > 0 and all(changed)
 
 
+@pytest.mark.slow      # end to end: train, export, resume
 def test_micro_training_logs_steps_exports_and_decodes_the_same(micro_config):
     from pathlib import Path
 

@@ -156,7 +156,7 @@ def test_every_canonical_solution_passes_and_every_wrong_answer_fails_at_the_cho
 
 @pytest.mark.parametrize("level", [*KERNEL_LEVELS, "guard"])
 def test_honest_answers_are_judged_alike_at_every_level(level, problems):  # noqa: F811
-    chosen = problems[::10]                       # 17 problems: every level, still seconds
+    chosen = problems[::20]                       # 9 problems a level (the slow tier runs all 164 at one)
     assert _honest(chosen, level) == (len(chosen), 0)
 
 

@@ -170,6 +170,7 @@ class TerminateAt(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.mark.slow      # end to end: train, a real SIGTERM, resume
 def test_sigterm_stops_training_non_zero_and_the_resumed_run_is_the_same_run(micro_config, tmp_path):
     """A real SIGTERM mid-epoch: training exits 143 with how to resume (no export, no metrics.json); resuming from
     its checkpoint trains on the same batches as an uninterrupted run, through the epoch boundary (8 batches an
