@@ -10,8 +10,8 @@
 #    chain), Chimera's and Hidden Transfer's against AR and `generate`; the CLLM export against its tiny target; the
 #    Jacobi Forcing export; the training-free decoders in bf16.
 # Every run is a step (gpu_setup.sh): bounded, its line printed the moment it ends (exit code, seconds, what it
-# measured: experiments/gpu_check.py), its log in $OUT (default logs/gpu_check). The trainings run JOBS at a time
-# (default 4: the tiny models leave a GPU mostly idle), then the benches. STEPS (default 150) sets the training steps,
+# measured: experiments/gpu_check.py), its log in $OUT (default logs/gpu_check). The runs go JOBS at a time (default
+# 4: the tiny models leave a GPU mostly idle), the benches of the exports once every training has ended. STEPS (default 150) sets the training steps,
 # RUN_TIMEOUT (default 300 s) bounds each run, and every run ends by DEADLINE seconds (default 450) after the start (a
 # run with under 30 s left is listed as skipped), so that the call always returns its summary, printed last.
 # --rehearse: the same steps on this machine's CPU, JOBS (default 2) at a time (tests/test_gpu_check.py, the slow
@@ -74,33 +74,35 @@ launch() {  # kind name overrides...: in the background once fewer than $jobs ru
   "$@" &
 }
 
-trains=(
-  "cllm_zero3 +experiment=cllm_quickstart trainer=a100x8 trainer.devices=1 strategy=deepspeed_zero3"
-  "chimera_zero3 +experiment=chimera_quickstart trainer=gpu strategy=deepspeed_zero3"
-  "hidden_transfer_zero3 +experiment=hidden_transfer_quickstart trainer=gpu strategy=deepspeed_zero3"
-  "jacobi_forcing_zero3 +experiment=jacobi_forcing_quickstart trainer=gpu strategy=deepspeed_zero3"
-  "eagle3_zero2 +experiment=eagle3_quickstart trainer=gpu strategy=deepspeed_zero2"
-  "chimera_ddp_bf16_base +experiment=chimera_quickstart trainer=gpu strategy=ddp model.dtype=bfloat16"
-  "hidden_transfer_fsdp_bf16_base +experiment=hidden_transfer_quickstart trainer=gpu strategy=fsdp model.dtype=bfloat16"
+# "kind name overrides": first what reads nothing of another run, then the benches of the exports
+first=(
+  "train cllm_zero3 +experiment=cllm_quickstart trainer=a100x8 trainer.devices=1 strategy=deepspeed_zero3"
+  "train chimera_zero3 +experiment=chimera_quickstart trainer=gpu strategy=deepspeed_zero3"
+  "train hidden_transfer_zero3 +experiment=hidden_transfer_quickstart trainer=gpu strategy=deepspeed_zero3"
+  "train jacobi_forcing_zero3 +experiment=jacobi_forcing_quickstart trainer=gpu strategy=deepspeed_zero3"
+  "train eagle3_zero2 +experiment=eagle3_quickstart trainer=gpu strategy=deepspeed_zero2"
+  "train chimera_ddp_bf16_base +experiment=chimera_quickstart trainer=gpu strategy=ddp model.dtype=bfloat16"
+  "train hidden_transfer_fsdp_bf16_base +experiment=hidden_transfer_quickstart trainer=gpu strategy=fsdp
+   model.dtype=bfloat16"
+  "bench bench_training_free_bf16 model.dtype=bfloat16
+   decoding=[jacobi,multiblock,lookahead,lookahead_cpu,prompt_lookup,speculative,tree,ouroboros]"
 )
 e3=$runs/eagle3_zero2/export
-benches=(
-  "bench_heads decoding=[eagle3,eagle3_chain,chimera,hidden_transfer] decoding.eagle3.heads=$e3
+after=(
+  "bench bench_heads decoding=[eagle3,eagle3_chain,chimera,hidden_transfer] decoding.eagle3.heads=$e3
    decoding.eagle3_chain.heads=$e3 decoding.chimera.heads=$runs/chimera_zero3/export
    decoding.hidden_transfer.transfer=$runs/hidden_transfer_zero3/export draft=null bench.hf_peers=[generate]"
-  "bench_cllm_export model=hf model.name_or_path=$runs/cllm_zero3/export model.dtype=float32
+  "bench bench_cllm_export model=hf model.name_or_path=$runs/cllm_zero3/export model.dtype=float32
    model@original=tiny_target decoding=[jacobi,multiblock,lookahead,lookahead_cpu]"
-  "bench_jacobi_forcing_export model=hf model.name_or_path=$runs/jacobi_forcing_zero3/export model.dtype=float32
-   decoding=[jacobi,multiblock] draft=null bench.hf_peers=[generate]"
-  "bench_training_free_bf16 model.dtype=bfloat16
-   decoding=[jacobi,multiblock,lookahead,lookahead_cpu,prompt_lookup,speculative,tree,ouroboros]"
+  "bench bench_jacobi_forcing_export model=hf model.name_or_path=$runs/jacobi_forcing_zero3/export
+   model.dtype=float32 decoding=[jacobi,multiblock] draft=null bench.hf_peers=[generate]"
 )
 if ! grep -q 'rc=[1-9]' "$out/summary.txt"; then     # a failed setup fails every run: its lines say why
   # shellcheck disable=SC2086
-  for entry in "${trains[@]}"; do launch train $entry; done
-  wait      # the benches read the trainings' exports
+  for entry in "${first[@]}"; do launch $entry; done
+  wait
   # shellcheck disable=SC2086
-  for entry in "${benches[@]}"; do launch bench $entry; done
+  for entry in "${after[@]}"; do launch $entry; done
   wait
 fi
 echo "== summary ($out/summary.txt; logs in $out/gpu_check.tgz)"
