@@ -24,6 +24,9 @@ case ${1:-} in
   --rehearse) rehearse=1 ;;
   *) echo "usage: bash experiments/gpu_check.sh [--rehearse]" >&2; exit 2 ;;
 esac
+for knob in STEPS RUN_TIMEOUT DEADLINE JOBS; do
+  [[ ${!knob:-1} =~ ^[1-9][0-9]*$ ]] || { echo "$knob=${!knob}: a whole number of at least 1" >&2; exit 2; }
+done
 if [[ -n ${GPU_CHECK_OVERRIDES:-} && ! -f $GPU_CHECK_OVERRIDES ]]; then
   echo "GPU_CHECK_OVERRIDES=$GPU_CHECK_OVERRIDES: no such file" >&2; exit 2
 fi

