@@ -366,3 +366,21 @@ def test_the_installed_deepspeed_recomputes_frozen_zero3_parameters_under_checkp
 
     assert callable(getattr(coordinator, "update_recompute_parameters", None)), \
         "DeepSpeed without #8148: install deepspeed>=0.19.3 (pyproject.toml)"
+
+
+def test_a_kept_composition_is_a_copy_and_an_edited_config_composes_anew(monkeypatch, tmp_path):
+    """``compose_config`` keeps compositions: each call gets its own copy, and a config edited on disk is read again."""
+    import shutil
+
+    import lit_spec.config as config
+
+    first = compose_config(["method=ar"])
+    first.method.lr = -1.0
+    assert compose_config(["method=ar"]).method.lr == 1e-4
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    monkeypatch.setattr(config, "CONFIG_DIR", conf)
+    assert compose_config(["method=ar"]).method.lr == 1e-4
+    ar = conf / "method" / "ar.yaml"
+    ar.write_text(ar.read_text().replace("lr: 1e-4", "lr: 2e-4"))
+    assert compose_config(["method=ar"]).method.lr == 2e-4
