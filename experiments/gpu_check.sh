@@ -34,6 +34,9 @@ deadline=$(( SECONDS + ${DEADLINE:-450} ))
 # shellcheck source=experiments/gpu_setup.sh
 source experiments/gpu_setup.sh
 set -f   # the decoder lists in brackets are not globs
+# each run finds a free port of its own: one inherited MASTER_PORT makes the runs that share the machine collide
+# (EADDRINUSE; seen in the rehearsal when pytest's own in-process trainings had exported one)
+unset MASTER_PORT MASTER_ADDR
 steps=${STEPS:-150} run_timeout=${RUN_TIMEOUT:-300} runs=$root/runs
 if ((rehearse)); then   # two runs at a time on 2 cores, a torch thread each: the GPU's pool of JOBS rehearsed
   accelerator=cpu device=cpu jobs=${JOBS:-2}

@@ -101,6 +101,8 @@ def rehearse(work: Path, tmp: Path) -> subprocess.CompletedProcess:
     env |= {"PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "LIT_SPEC_CACHE": str(tmp / "cache"),
             "GPU_CHECK_ROOT": str(tmp / "root"), "GPU_CHECK_OVERRIDES": str(overrides), "STEPS": "1",
             "RUN_TIMEOUT": "150", "DEADLINE": "600",
+            # a shell that has one (pytest's in-process trainings export it): the parallel runs must not share it
+            "MASTER_PORT": "29555",
             # DeepSpeed's CPU op, built from the carried wheel's sources: kept apart from the one the other tiers
             # build from the venv's (each would rebuild the other's)
             "TORCH_EXTENSIONS_DIR": str(tmp / "torch_extensions")}
