@@ -1,5 +1,5 @@
 """The GPU machine's one device call (experiments/gpu_check.sh), rehearsed on CPU as docs/distributed.md says it runs,
-with only ``--rehearse`` (the CPU, one run at a time) and the micro sizes (GPU_CHECK_OVERRIDES) added, so that a
+with only ``--rehearse`` (the CPU, two runs at a time) and the micro sizes (GPU_CHECK_OVERRIDES) added, so that a
 setup bug fails here rather than on a lent GPU. What it proves: the wheels that experiments/gpu_wheels.sh fetches
 (every one the GPU image lacks, at this venv's versions, built for this Python rather than the image's) install with
 pip --no-index into a target directory, and the carried modules import from there; the stages tarball unpacks into
@@ -9,7 +9,7 @@ the exports and generates with them; every run prints its line with its exit cod
 
 The stages are micro models under the real stages' names (tiny_target-<key>, tiny_draft-<key>) and written
 trajectories under the name the runs look for: the runs' commands stay the GPU's. What it cannot prove: CUDA, NCCL,
-the runs in parallel on one device (JOBS), the image's own packages.
+JOBS runs sharing one GPU, the image's own packages.
 """
 
 from __future__ import annotations

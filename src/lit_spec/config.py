@@ -48,7 +48,7 @@ def _composed(overrides: tuple[str, ...], config_name: str, stamp: tuple) -> Dic
 
 def _conf_stamp() -> tuple:
     """conf/'s YAML files, each with its size and last change: an edited, added or removed config composes anew."""
-    return tuple(sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in config_dir().rglob("*.yaml")))
+    return tuple(sorted((str(p), s.st_size, s.st_mtime_ns) for p in config_dir().rglob("*.yaml") for s in [p.stat()]))
 
 
 def config_hash(obj, length: int = 10) -> str:
