@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from lit_spec.decoding import cache as kv
 from lit_spec.decoding.base import Decoder, register
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.verify import check_sampling, logits_to_probs
@@ -30,12 +29,5 @@ class ARDecoder(Decoder):
         token = self.pick(state.prefill())
         state.commit([[t] for t in token.tolist()], advance=[0] * token.size(0))
         while not state.finished:
-            b = len(state.active)
-            # plain one-token steps: a 2D mask over the cache's valid positions, no holes to care about
-            mask = torch.cat([state.past_valid, state.past_valid.new_ones(b, 1)], 1).long()
-            with state.stats.timed("forward_time", mask.device):
-                out = self.model(input_ids=state.pending[:, None], position_ids=state.next_pos[:, None],
-                                 attention_mask=mask, **kv.cache_argument(self.model, state.cache), use_cache=True)
-            state.past_valid = torch.cat([state.past_valid, state.past_valid.new_ones(b, 1)], 1)
-            token = self.pick(out.logits[:, -1])
-            state.commit([[t] for t in token.tolist()], advance=[1] * b)
+            token = self.pick(state.forward_next())
+            state.commit([[t] for t in token.tolist()], advance=[1] * token.size(0))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
-from lit_spec.decoding.state import DecodeState, eos_ids, until_eos
+from lit_spec.decoding.fast import ENGINES, FastForward
+from lit_spec.decoding.state import DecodeState, FastDecodeState, eos_ids, until_eos
 from lit_spec.decoding.stats import DecodeStats, sync_device
 from lit_spec.errors import ConfigError
 
@@ -38,8 +40,13 @@ class Decoder(ABC):
     record_hidden = False   # the decode needs the target's last hidden states (``DecodeState.hidden``), or those of
                             # the ``hidden_states`` indices it names
 
-    def __init__(self, model, pad_token_id: int | None = None):
+    def __init__(self, model, pad_token_id: int | None = None, engine: str = "eager"):
+        """``engine``: ``eager`` (transformers' dynamic cache, every forward eager), ``static`` or ``compiled`` (the
+        fast path, ``lit_spec.decoding.fast``: a static cache, and the target forward compiled per width)."""
+        if engine not in ENGINES:
+            raise ConfigError(f"engine={engine!r}: choose one of {ENGINES}")
         self.model = model
+        self.fast = None if engine == "eager" else FastForward.of(model, compiled=engine == "compiled")
         cfg = model.generation_config if getattr(model, "generation_config", None) is not None else model.config
         self.pad_token_id = pad_token_id if pad_token_id is not None else (
             cfg.pad_token_id if cfg.pad_token_id is not None else model.config.eos_token_id)
@@ -53,13 +60,17 @@ class Decoder(ABC):
                  attention_mask: torch.Tensor | None = None) -> DecodeOutput:
         """Decode ``input_ids`` [B, L] (left-padded when ``attention_mask`` marks padding) for up to
         ``max_new_tokens``, stopping a row at ``eos_token_id``."""
-        state = DecodeState(self.model, input_ids, attention_mask, max_new_tokens, eos_token_id,
-                            self.record_hidden)
+        args = (self.model, input_ids, attention_mask, max_new_tokens, eos_token_id, self.record_hidden)
+        state = DecodeState(*args) if self.fast is None else FastDecodeState(self.fast, *args)
+        compiled_before = self.fast.compile_time if self.fast else 0.0
         sync_device(input_ids.device)
         start = time.perf_counter()
-        extras = self._decode(state) or {}
+        with self.fast.attention() if self.fast else nullcontext():
+            extras = self._decode(state) or {}
         sync_device(input_ids.device)
         state.stats.wall_time = time.perf_counter() - start
+        if self.fast:
+            state.stats.compile_time = self.fast.compile_time - compiled_before
         return DecodeOutput(state.sequences(self.pad_token_id), state.stats, extras)
 
     @abstractmethod

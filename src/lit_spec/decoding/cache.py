@@ -10,8 +10,10 @@ import functools
 import inspect
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicLayer, StaticLayer
+
+from lit_spec.errors import ConfigError
 
 
 @functools.cache
@@ -60,6 +62,26 @@ def new_cache(model) -> DynamicCache:
     return cache
 
 
+def static_cache(model, length: int) -> StaticCache:
+    """transformers' ``StaticCache`` of ``length`` positions for the fast path (``lit_spec.decoding.fast``), every
+    layer a plain ``StaticLayer``. A sliding window at least that long never slides, so its layers are plain too; a
+    shorter one would make them ring buffers, which rollback by length cannot undo: refused."""
+    window = getattr(model.config, "sliding_window", None)
+    if window is not None and window < length:
+        raise ConfigError(f"the fast decoding path needs {length} cache positions but the model's sliding window is "
+                          f"{window}: decode with engine=eager")
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    cache.layers = [StaticLayer(length) for _ in cache.layers]
+    return cache
+
+
+def set_length(cache: StaticCache, length: int) -> None:
+    """Roll a static cache back (or forward) to its first ``length`` positions: only its length moves; the stale
+    entries after it are overwritten by the next forward and masked until then."""
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(length)
+
+
 def cache_length(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 
@@ -85,12 +107,16 @@ def keep_positions(cache: DynamicCache, start: int, keep: list[int]) -> None:
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
+        static = isinstance(layer, StaticLayer)
         if getattr(layer, "is_sliding", False) and layer.get_seq_length() >= layer.sliding_window:
             raise NotImplementedError("keep_positions on a sliding-window layer that has dropped old positions")
         for dst, src, n in moves:
             for t in (layer.keys, layer.values):
                 block = t[..., start + src: start + src + n, :]
                 t[..., start + dst: start + dst + n, :] = block.clone() if src < dst + n else block
+        if static:                                # a static layer keeps its tensors (compiled code holds them)
+            layer.cumulative_length.fill_(length)
+            continue
         layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
         if hasattr(layer, "cumulative_length"):    # sliding-window layers (Mistral) count their length themselves
             layer.cumulative_length = length

@@ -17,9 +17,11 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 
 from lit_spec.decoding import cache as kv
-from lit_spec.decoding.masks import attention_mask
+from lit_spec.decoding.fast import CACHE_STEP, FastForward, width_bucket
+from lit_spec.decoding.masks import attention_mask, causal
 from lit_spec.decoding.stats import DecodeStats
 from lit_spec.errors import ConfigError
 
@@ -104,17 +106,32 @@ class DecodeState:
         self.past_valid = torch.cat([self.past_valid, torch.ones_like(block, dtype=torch.bool)], dim=1)
         return logits
 
+    @torch.no_grad()
+    def forward_next(self) -> torch.Tensor:
+        """One plain step (AR): the pending tokens alone; returns their logits [B, V]. A 2-D mask over the cache's
+        valid positions is enough here: no block to shape."""
+        b = len(self.active)
+        mask = torch.cat([self.past_valid, self.past_valid.new_ones(b, 1)], 1)
+        with self.stats.timed("forward_time", mask.device):
+            out = self.model(input_ids=self.pending[:, None], position_ids=self.next_pos[:, None],
+                             attention_mask=mask.long(), **kv.cache_argument(self.model, self.cache), use_cache=True)
+        self.past_valid = mask
+        return out.logits[:, -1]
+
     def _run(self, ids, mask, position_ids, logits_at: torch.Tensor | None) -> torch.Tensor:
         kwargs = {"output_hidden_states": True} if self.record_hidden else {}
         if logits_at is not None and self.model_selects_logits:
             kwargs["logits_to_keep"] = logits_at.to(ids.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
                          **kv.cache_argument(self.model, self.cache), use_cache=True, **kwargs)
-        if self.record_hidden:
-            layers = (-1,) if self.record_hidden is True else self.record_hidden
-            self.hidden = torch.cat([out.hidden_states[t] for t in layers], dim=-1)
+        self._record_hidden(out, ids.size(1))
         logits = out.logits
         return logits if logits_at is None or self.model_selects_logits else logits[:, logits_at.to(ids.device)]
+
+    def _record_hidden(self, out, q: int) -> None:
+        if self.record_hidden:
+            layers = (-1,) if self.record_hidden is True else self.record_hidden
+            self.hidden = torch.cat([out.hidden_states[t][:, :q] for t in layers], dim=-1)
 
     # ---- committing -----------------------------------------------------------------------------------------
     def keep_prefix(self, q: int, kept: list[int]) -> None:
@@ -200,3 +217,82 @@ class DecodeState:
         for r, o in enumerate(self.out):
             new[r, : len(o)] = torch.tensor(o, dtype=self.prompt.dtype)
         return torch.cat([self.prompt, new], dim=1)
+
+
+class FastDecodeState(DecodeState):
+    """``DecodeState`` on the fast path (``lit_spec.decoding.fast``), one prompt at a time. The cache is the engine's
+    static one and ``length`` says how much of it is valid: a rollback moves the length, never a tensor. ``allowed``
+    is the additive mask row of the cache's positions (0 valid, -inf not), kept in place; a forward's mask is that
+    row per query with the block's own pattern written over the block's columns."""
+
+    def __init__(self, engine: FastForward, model, input_ids, attention_mask_2d, max_new_tokens, eos_token_id,
+                 record_hidden=False):
+        super().__init__(model, input_ids, attention_mask_2d, max_new_tokens, eos_token_id, record_hidden)
+        self.require_single_row("engine=" + ("compiled" if engine.compiled else "static"))
+        self.engine = engine
+        # the committed tokens plus the widest block a decoder feeds (checked at each forward)
+        self.cache = engine.new_cache(input_ids.size(1) + max_new_tokens + CACHE_STEP)
+        self.length = 0
+        self.min = torch.finfo(self.dtype).min
+        self.allowed = torch.full((1, engine.cache_length), self.min, dtype=self.dtype, device=input_ids.device)
+
+    @torch.no_grad()
+    def prefill(self) -> torch.Tensor:
+        n = self.prompt.size(1)
+        valid = self.prompt_mask.bool()
+        self.allowed[:, :n] = torch.where(valid, 0.0, self.min)
+        # a padding row sees itself, so that no row of the softmax is empty (its output is never read)
+        visible = causal(n, self.prompt.device) & (valid | torch.eye(n, dtype=torch.bool, device=valid.device))
+        mask = self._mask(n, 0, visible)
+        position_ids = (self.prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        with self.stats.timed("forward_time", self.prompt.device):
+            out = self.engine(self.prompt, mask, position_ids, bool(self.record_hidden), eager=True)
+        self._record_hidden(out, n)
+        self.length = n
+        self.next_pos = self.prompt_mask.sum(-1)
+        return out.logits[:, -1]
+
+    @torch.no_grad()
+    def forward(self, block, visible, depth=None, logits_at=None) -> torch.Tensor:
+        q, start = block.size(1), self.length
+        width = width_bucket(q)
+        if start + width > self.engine.cache_length:
+            raise ConfigError(f"a block of {q} tokens (run at width {width}) does not fit the static cache after "
+                              f"{start} positions: decode with engine=eager")
+        pattern = torch.eye(width, dtype=torch.bool, device=block.device)    # a pad token sees only itself
+        pattern[:q, :q] = visible.to(block.device).reshape(q, q)
+        if depth is None:
+            depth = torch.arange(q, device=block.device)
+        position_ids = self.next_pos[:, None] + depth
+        ids, position_ids = (F.pad(t, (0, width - q), value=0) for t in (block, position_ids))
+        with self.stats.timed("forward_time", block.device):
+            out = self.engine(ids, self._mask(width, start, pattern), position_ids, bool(self.record_hidden))
+        self._set_length(start + q)             # the pads' entries lie past the length: masked, then overwritten
+        self.allowed[:, start: start + q] = 0.0
+        self._record_hidden(out, q)
+        logits = out.logits[:, :q]
+        return logits if logits_at is None else logits[:, logits_at.to(logits.device)]
+
+    def forward_next(self) -> torch.Tensor:
+        return self.forward(self.pending[:, None], causal(1, self.pending.device))[:, -1]
+
+    def _mask(self, width: int, start: int, pattern: torch.Tensor) -> torch.Tensor:
+        """[1, 1, width, cache length]: the cache's row for every query, the block's ``pattern`` over its columns."""
+        mask = self.allowed[:, None, None, :].repeat(1, 1, width, 1)
+        mask[0, 0, :, start: start + width] = torch.where(pattern, 0.0, self.min)
+        return mask
+
+    def _set_length(self, length: int) -> None:
+        self.allowed[:, length: self.length] = self.min
+        self.length = length
+        kv.set_length(self.cache, length)
+
+    def keep_prefix(self, q: int, kept: list[int]) -> None:
+        self._set_length(self.length - q + kept[0])
+
+    def keep_path(self, q: int, keep: list[int]) -> None:
+        start = self.length - q
+        kv.keep_positions(self.cache, start, keep)
+        if self.hidden is not None:
+            self.hidden = self.hidden[:, keep]
+        self._set_length(start + len(keep))

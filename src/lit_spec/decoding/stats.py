@@ -30,6 +30,7 @@ class DecodeStats:
     wall_time: float = 0.0         # seconds, measured around the whole decode (synchronised on CUDA)
     forward_time: float = 0.0      # seconds inside target forwards (the rest of wall_time is drafting + engine)
     draft_time: float = 0.0        # seconds inside draft forwards
+    compile_time: float = 0.0      # seconds of wall_time spent compiling a new block width (engine=compiled)
     fast_forwarded: int = 0        # Jacobi (CLLM Table 3): tokens beyond the first committed by one iteration
     stationary: int = 0            # Jacobi: tokens that were correct before their prefix was, and stayed so
     accepted_per_forward: list[int] = field(default_factory=list)  # tokens committed per row forward

@@ -1,0 +1,110 @@
+"""The fast path (``engine=static`` / ``engine=compiled``, lit_spec/decoding/fast.py): every decoder stays
+token-identical to transformers' ``generate`` on three architectures, with the same counts as on the eager path; the
+static cache after a decode holds exactly the committed tokens' keys/values; bad input is refused before work. The
+compiled engine (a compile per width, seconds each) runs in the slow tier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from random_models import ARCHS, assert_same_cache, noisy_copy, random_prompts, reference_greedy
+from test_chimera import chimera, medusa
+from test_eagle3 import eagle3
+from test_hidden_transfer import transfer
+
+from lit_spec.decoding import generate
+from lit_spec.decoding.fast import FastForward, width_bucket
+from lit_spec.errors import ConfigError
+
+NEW = 40
+
+
+def decoders(model) -> dict[str, tuple[str, dict]]:
+    """Every decoder, with settings that make it draft, fork and roll back within NEW tokens."""
+    draft = noisy_copy(model, 0.02)
+    return {
+        "ar": ("ar", {}), "jacobi": ("jacobi", {"n_tokens": 5}),
+        "multiblock": ("multiblock", {"n_tokens": 6, "blocks": 2, "pool_size": 2}),
+        "lookahead": ("lookahead", {"window": 3, "ngram": 3, "guesses": 3}),
+        "prompt_lookup": ("prompt_lookup", {"num_draft_tokens": 5}),
+        "speculative": ("speculative", {"draft_model": draft, "gamma": 3}),
+        "tree": ("tree", {"draft_model": draft, "tree": [2, 2, 1]}),
+        "ouroboros": ("ouroboros", {"draft_model": draft, "gamma": 3, "window": 3, "ngram": 3}),
+        "medusa": ("medusa", {"heads": medusa(model)}), "chimera": ("chimera", {"heads": chimera(model)}),
+        "hidden_transfer": ("hidden_transfer", {"transfer": transfer(model)}),
+        "eagle3": ("eagle3", {"heads": eagle3(model), "depth": 4, "top_k": 3, "total_tokens": 8}),
+        "eagle3_chain": ("eagle3", {"heads": eagle3(model), "tree": [1, 1, 1]}),
+    }
+
+
+def test_blocks_run_at_power_of_two_widths():
+    assert [width_bucket(q) for q in (1, 2, 3, 4, 5, 8, 9, 60)] == [1, 2, 4, 4, 8, 8, 16, 64]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_decoder_on_the_static_engine_is_identical_to_generate(models, arch):
+    model = models[arch]
+    ids, mask = random_prompts(1, [9], seed=4)
+    ref = reference_greedy(model, ids, mask, NEW)
+    for name, (method, params) in decoders(model).items():
+        fast = generate(model, ids, method, max_new_tokens=NEW, engine="static", **params)
+        assert torch.equal(fast.sequences, ref), name
+        eager = generate(model, ids, method, max_new_tokens=NEW, **params)
+        # the same decode, step for step: the engine changes how a forward runs, never what a decoder does
+        assert fast.stats.accepted_per_forward == eager.stats.accepted_per_forward, name
+        assert fast.stats.compile_time == 0.0
+    assert model.config._attn_implementation == "sdpa"      # the fast path gives the model its attention back
+
+
+def test_the_static_cache_holds_the_committed_tokens_after_tree_and_chain_rollbacks(models):
+    model = models["llama"]
+    ids, mask = random_prompts(1, [6], seed=5)
+    for name in ("tree", "speculative", "jacobi"):
+        method, params = decoders(model)[name]
+        out = generate(model, ids, method, max_new_tokens=25, engine="static", **params)
+        engine = FastForward.of(model, compiled=False)
+        length = int(engine.cache.layers[0].cumulative_length)
+        committed = out.sequences[0].tolist()
+        # the cache holds everything but the last token (the pending one), trimmed from the static tensors
+        cache = _trimmed(engine.cache, length)
+        assert_same_cache(cache, model, committed[: length])
+        assert length == len(committed) - 1, name
+
+
+def _trimmed(static, length: int):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i, layer in enumerate(static.layers):
+        cache.update(layer.keys[..., :length, :], layer.values[..., :length, :], i)
+    return cache
+
+
+def test_a_model_sized_prompt_and_batches_are_refused_before_work(models):
+    model = models["llama"]
+    ids, mask = random_prompts(2, [5, 7])
+    with pytest.raises(ConfigError, match="one at a time"):
+        generate(model, ids, "ar", attention_mask=mask, engine="static")
+    with pytest.raises(ConfigError, match="engine='fast'"):
+        generate(model, ids[:1], "ar", engine="fast")
+    eager_attention = noisy_copy(model, 0.0)
+    eager_attention.set_attn_implementation("eager")
+    with pytest.raises(ConfigError, match="attn_implementation=sdpa"):
+        generate(eager_attention, ids[:1], "ar", engine="static")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_decoders_are_identical_to_generate(models, arch):
+    """Compiled per width (inductor on the CPU): AR, a chain, Jacobi and a tree, against ``generate``; the compile
+    time is counted beside the decode, once per new width."""
+    model = models[arch]
+    ids, mask = random_prompts(1, [9], seed=4)
+    ref = reference_greedy(model, ids, mask, NEW)
+    table = decoders(model)
+    for name in ("ar", "speculative", "jacobi", "eagle3"):
+        method, params = table[name]
+        first = generate(model, ids, method, max_new_tokens=NEW, engine="compiled", **params)
+        again = generate(model, ids, method, max_new_tokens=NEW, engine="compiled", **params)
+        assert torch.equal(first.sequences, ref) and torch.equal(again.sequences, ref), name
+        assert first.stats.compile_time > 0 and again.stats.compile_time == 0, name
