@@ -60,6 +60,17 @@ def test_bench_runs_every_runner_and_writes_its_report(micro_dirs, tmp_path):
     assert "drift" not in results and "drift from" not in table      # no original model: no drift section
 
 
+def test_bench_runs_each_decoder_on_each_chosen_engine(micro_dirs, tmp_path):
+    """``bench.engines``: every chosen decoder once per engine (NAME@ENGINE), all exact against eager AR, the
+    baseline, which runs whatever the engines are."""
+    target, _ = micro_dirs
+    cfg = bench_config(tmp_path, target, None, "decoding=[jacobi]", "decoding.jacobi.n_tokens=4",
+                       "bench.engines=[static]", "bench.hf_peers=[]")
+    methods = run_benchmark(cfg, tmp_path)["methods"]
+    assert set(methods) == {"ar", "ar@static", "jacobi@static"}
+    assert all(m["exact_match"] == 1.0 and m["compile_time"] == 0.0 for m in methods.values())
+
+
 def test_bench_runs_in_the_model_configs_dtype(micro_dirs, tmp_path, monkeypatch):
     """``model.dtype`` sets the dtype of the bench (the draft follows it: ``draft.dtype: ${model.dtype}``)."""
     import lit_spec.benchmark as benchmark
@@ -116,7 +127,8 @@ def test_bench_rejects_bad_settings_before_decoding(micro_dirs, tmp_path):
     target, draft = micro_dirs
     for override, message in [("bench.num_prompts=0", "bench.num_prompts=0: must be an integer >= 1"),
                               ("bench.max_new_tokens=-1", "bench.max_new_tokens=-1"),
-                              ("bench.split=valdiation", "bench.split=valdiation: the data has no such split")]:
+                              ("bench.split=valdiation", "bench.split=valdiation: the data has no such split"),
+                              ("bench.engines=[eager,fast]", "bench.engines=.*a list of decoding engines")]:
         with pytest.raises(ConfigError, match=message):
             run_benchmark(bench_config(tmp_path, target, None, override), tmp_path)
     with pytest.raises(ConfigError, match="unknown 'nope'"):

@@ -21,6 +21,7 @@ from lit_spec.data.datamodule import split_records
 from lit_spec.data.execution import describe_isolation
 from lit_spec.data.metrics import EXECUTION_METRICS, get_metric, score_answers
 from lit_spec.data.repetition import RepetitionFilter
+from lit_spec.decoding.fast import ENGINES
 from lit_spec.drift import HELDOUT, check_drift_data, compare_answers, compare_nll, drift_records
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json, write_text
@@ -93,7 +94,14 @@ def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
     bench, pad = cfg.bench, tokenizer.pad_token_id
     sampling = {"temperature": bench.temperature, "seed": cfg.seed} if bench.temperature > 0 else {}
     specs = {"ar": {}, **chosen_decoders(cfg.get("decoding"))}
-    runners: dict = build_decoders(model, specs, draft, pad_token_id=pad, **sampling)
+    engines = list(bench.engines)
+    # eager AR is the baseline of every speedup: it runs whatever engines are chosen
+    runners: dict = build_decoders(model, specs if "eager" in engines else {"ar": {}}, draft, pad_token_id=pad,
+                                   **sampling)
+    for engine in engines:
+        if engine != "eager":
+            fast = build_decoders(model, specs, draft, pad_token_id=pad, engine=engine, **sampling)
+            runners |= {f"{name}@{engine}": decoder for name, decoder in fast.items()}
     for mode in bench.hf_peers or []:
         if mode == "assisted" and draft is None:
             continue
@@ -118,6 +126,10 @@ def check_bench(cfg: DictConfig) -> dict[str, str]:
     temperature = bench.temperature
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
         raise ConfigError(f"bench.temperature={temperature!r}: a number >= 0 (0: greedy)")
+    engines = bench.get("engines")
+    if not engines or isinstance(engines, str) or any(e not in ENGINES for e in engines):
+        raise ConfigError(f"bench.engines={engines!r}: a list of decoding engines from {list(ENGINES)}, e.g. "
+                          "'bench.engines=[eager,compiled]'")
     if bench.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"bench.device={bench.device!r}: choose auto, cpu or cuda")
     if bench.get("metric") is not None:
@@ -160,7 +172,7 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     methods = compare(runs, "ar", exact=not cfg.bench.temperature, reference="hf_generate")
     results = {"model": spec.name_or_path, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
                "num_prompts": len(prompts), "num_prompts_asked": cfg.bench.num_prompts, "max_new_tokens": max_new,
-               "temperature": cfg.bench.temperature, "methods": methods}
+               "temperature": cfg.bench.temperature, "methods": methods, "compile_seconds": compile_seconds(runners)}
     metric = cfg.bench.get("metric")
     if metric is not None:      # every method's own answers: a lossless method scores what AR scores
         for name, run in runs.items():
@@ -174,6 +186,13 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
         log.info("drift from the original model:\n%s", drift_markdown(results))
     write_report(results, out_dir)
     return results
+
+
+def compile_seconds(runners: dict) -> dict[str, dict[str, float]]:
+    """Per compiled runner, the seconds each block width took to compile (warm-up included; kept out of every
+    timing): ``{name: {"8": s, "8+hidden": s}}``."""
+    return {name: {f"{q}{'+hidden' if hidden else ''}": s for (q, hidden), s in runner.fast.compile_seconds.items()}
+            for name, runner in runners.items() if getattr(runner, "fast", None) and runner.fast.compiled}
 
 
 def answer_quality(outputs: list[list[int]], records: list[dict], tokenizer, metric: str | None) -> dict:
@@ -205,6 +224,7 @@ COLUMNS = [  # (header, cell of a method's results)
     ("exact vs HF generate", lambda m: _fmt(m["exact_match_reference"], ".2f")),
     ("time in target / draft forwards",
      lambda m: f"{m['forward_time']:.2f} s / {m['draft_time']:.2f} s" if m["engine_overhead"] is not None else "–"),
+    ("compiling (kept out)", lambda m: _fmt(m.get("compile_time") or None, ".1f", " s")),
     ("target forward vs AR's", lambda m: _fmt(m["forward_cost"], ".2f", "×")),
     ("engine overhead", lambda m: _fmt(m["engine_overhead"], ".1%")),
 ]

@@ -197,7 +197,7 @@ def compare(runs: dict[str, Run], baseline: str = "ar", exact: bool = True,
                                    if reference in runs and runs[reference].stats.tokens_per_s else None),
              "speedup_vllm": (s.tokens_per_s / runs[VLLM_AR].stats.tokens_per_s
                               if VLLM_AR in runs and runs[VLLM_AR].stats.tokens_per_s else None),
-             "forward_time": s.forward_time, "draft_time": s.draft_time,
+             "forward_time": s.forward_time, "draft_time": s.draft_time, "compile_time": s.compile_time,
              "engine_overhead": s.engine_overhead if s.forward_time else None,
              "ms_per_forward": 1e3 * s.forward_time / s.target_forwards if s.forward_time else None}
         for key, metric in EXTRAS.items():
