@@ -65,6 +65,7 @@ class FastForward:
         self.cache: kv.StaticCache | None = None
         self.cache_length = 0
         self.compile_seconds: dict[tuple[int, bool], float] = {}
+        self.cache_keyword = next(iter(kv.cache_argument(model, None)))   # looked up once, outside compiled code
         self._run = self._forward
         if compiled:
             # the widths (powers of two) x hidden states or not stay well under this; the default (8) could not
@@ -99,7 +100,7 @@ class FastForward:
 
     def _forward(self, ids, mask, position_ids, hidden: bool):
         return self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                          output_hidden_states=hidden, **kv.cache_argument(self.model, self.cache))
+                          output_hidden_states=hidden, **{self.cache_keyword: self.cache})
 
     @contextmanager
     def attention(self):
