@@ -189,11 +189,11 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
 
 
 def compile_seconds(runners: dict) -> dict[str, float]:
-    """The seconds each block width took to compile (``"8"``, ``"8+hidden"``), warm-up included and kept out of
-    every timing. The model's compiled engine is one, shared by all its ``@compiled`` runners."""
+    """The seconds each block width took to compile (``"8@768"``, ``"8+hidden@768"``: width, cache length), warm-up
+    included and kept out of every timing. The model's compiled engine is one, shared by its ``@compiled`` runners."""
     engines = {id(r.fast): r.fast for r in runners.values() if getattr(r, "fast", None) and r.fast.compiled}
-    return {f"{q}{'+hidden' if hidden else ''}": s for engine in engines.values()
-            for (q, hidden), s in engine.compile_seconds.items()}
+    return {f"{q}{'+hidden' if hidden else ''}@{length}": s for engine in engines.values()
+            for (q, hidden, length), s in engine.compile_seconds.items()}
 
 
 def answer_quality(outputs: list[list[int]], records: list[dict], tokenizer, metric: str | None) -> dict:

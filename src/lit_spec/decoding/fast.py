@@ -64,7 +64,7 @@ class FastForward:
         self.model, self.compiled = model, compiled
         self.cache: kv.StaticCache | None = None
         self.cache_length = 0
-        self.compile_seconds: dict[tuple[int, bool], float] = {}
+        self.compile_seconds: dict[tuple[int, bool, int], float] = {}
         self.cache_keyword = next(iter(kv.cache_argument(model, None)))   # looked up once, outside compiled code
         self._run = self._forward
         if compiled:
@@ -90,7 +90,7 @@ class FastForward:
         prefill."""
         if eager or not self.compiled:
             return self._forward(ids, mask, position_ids, hidden)
-        key = (ids.size(1), hidden)
+        key = (ids.size(1), hidden, self.cache_length)   # a longer cache recompiles every width
         if key in self.compile_seconds:
             return self._run(ids, mask, position_ids, hidden)
         start = time.perf_counter()
