@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from random_models import ARCHS, assert_same_cache, noisy_copy, random_prompts, reference_greedy
+from random_models import ARCHS, assert_same_cache, noisy_copy, random_model, random_prompts, reference_greedy
 from test_chimera import chimera, medusa
 from test_eagle3 import eagle3
 from test_hidden_transfer import transfer
@@ -80,7 +80,7 @@ def _trimmed(static, length: int):
     return cache
 
 
-def test_a_model_sized_prompt_and_batches_are_refused_before_work(models):
+def test_batches_unknown_engines_other_attention_and_short_windows_are_refused_before_work(models):
     model = models["llama"]
     ids, mask = random_prompts(2, [5, 7])
     with pytest.raises(ConfigError, match="one at a time"):
@@ -91,6 +91,10 @@ def test_a_model_sized_prompt_and_batches_are_refused_before_work(models):
     eager_attention.set_attn_implementation("eager")
     with pytest.raises(ConfigError, match="attn_implementation=sdpa"):
         generate(eager_attention, ids[:1], "ar", engine="static")
+    windowed = random_model("mistral")
+    windowed.config.sliding_window = 64      # shorter than the static cache (prompt + new tokens + 256)
+    with pytest.raises(ConfigError, match="sliding window is 64"):
+        generate(windowed, ids[:1], "ar", engine="static")
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ class DecodeState:
         self.prompt, self.prompt_mask = input_ids, attention_mask_2d
         self.max_new_tokens = max_new_tokens
         self.eos = eos_ids(eos_token_id)
-        self.cache = kv.new_cache(model)
+        self.cache = self._new_cache()
         self.out: list[list[int]] = [[] for _ in range(input_ids.size(0))]
         self.active = list(range(input_ids.size(0)))     # original row index of each row still in the batch
         self.stats = DecodeStats()
@@ -78,15 +78,20 @@ class DecodeState:
         self.dtype = next(model.parameters()).dtype
         self.model_selects_logits = selects_logits(model)
 
+    def _new_cache(self):
+        return kv.new_cache(self.model)
+
+    def prompt_positions(self) -> torch.Tensor:
+        """The prompt tokens' position ids: a left-padded row's first real token is at 0."""
+        return (self.prompt_mask.cumsum(-1) - 1).clamp(min=0)
+
     # ---- forwards -------------------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self) -> torch.Tensor:
         """Run the prompts; returns the logits of their last position ([B, V]) to pick the first new token."""
-        mask = self.prompt_mask
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         with self.stats.timed("forward_time", self.prompt.device):
-            logits = self._run(self.prompt, mask, position_ids, logits_at=torch.tensor([self.prompt.size(1) - 1]))
-        self.next_pos = mask.sum(-1)
+            logits = self._run(self.prompt, self.prompt_mask, self.prompt_positions(),
+                               logits_at=torch.tensor([self.prompt.size(1) - 1]))
         return logits[:, -1]
 
     @torch.no_grad()
@@ -227,14 +232,16 @@ class FastDecodeState(DecodeState):
 
     def __init__(self, engine: FastForward, model, input_ids, attention_mask_2d, max_new_tokens, eos_token_id,
                  record_hidden=False):
+        self.engine = engine
         super().__init__(model, input_ids, attention_mask_2d, max_new_tokens, eos_token_id, record_hidden)
         self.require_single_row("engine=" + ("compiled" if engine.compiled else "static"))
-        self.engine = engine
-        # the committed tokens plus the widest block a decoder feeds (checked at each forward)
-        self.cache = engine.new_cache(input_ids.size(1) + max_new_tokens + CACHE_STEP)
         self.length = 0
         self.min = torch.finfo(self.dtype).min
         self.allowed = torch.full((1, engine.cache_length), self.min, dtype=self.dtype, device=input_ids.device)
+
+    def _new_cache(self):
+        # the committed tokens plus the widest block a decoder feeds (checked at each forward)
+        return self.engine.new_cache(self.prompt.size(1) + self.max_new_tokens + CACHE_STEP)
 
     @torch.no_grad()
     def prefill(self) -> torch.Tensor:
@@ -243,13 +250,11 @@ class FastDecodeState(DecodeState):
         self.allowed[:, :n] = torch.where(valid, 0.0, self.min)
         # a padding row sees itself, so that no row of the softmax is empty (its output is never read)
         visible = causal(n, self.prompt.device) & (valid | torch.eye(n, dtype=torch.bool, device=valid.device))
-        mask = self._mask(n, 0, visible)
-        position_ids = (self.prompt_mask.cumsum(-1) - 1).clamp(min=0)
         with self.stats.timed("forward_time", self.prompt.device):
-            out = self.engine(self.prompt, mask, position_ids, bool(self.record_hidden), eager=True)
+            out = self.engine(self.prompt, self._mask(n, 0, visible), self.prompt_positions(), bool(self.record_hidden),
+                              eager=True)
         self._record_hidden(out, n)
         self.length = n
-        self.next_pos = self.prompt_mask.sum(-1)
         return out.logits[:, -1]
 
     @torch.no_grad()
