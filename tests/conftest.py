@@ -41,11 +41,16 @@ def selects(config, marker: str) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """The slow, distributed and serving tiers run without xdist workers: their tests start processes of their own
-    (2-rank runs, sandboxes counted machine-wide, vLLM), which two workers would run at once on 2 cores."""
-    if any(selects(config, tier) for tier in ("slow", "distributed", "serving")) and hasattr(config.option,
-                                                                                              "numprocesses"):
+    """The slow and serving tiers run without xdist workers: their tests start processes of their own (sandboxes
+    counted machine-wide, vLLM). The distributed tier keeps 2 workers, handed tests one at a time (not a module per
+    worker: nearly all are in one): a 2-rank run keeps about one core busy (each rank's imports run alone, then the
+    ranks wait on each other), so two at once took 188 s where one at a time took 264 s (10 bf16 cases, 2 cores)."""
+    if not hasattr(config.option, "numprocesses"):
+        return
+    if any(selects(config, tier) for tier in ("slow", "serving")):
         config.option.numprocesses = 0
+    elif selects(config, "distributed") and config.option.numprocesses:
+        config.option.dist = "worksteal"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,10 +1,11 @@
-"""The card's distributed path, run for real: every trainable method under DeepSpeed ZeRO-2 and ZeRO-3 (and ar, cllm
-and a frozen-base method under FSDP2) on 2 CPU processes (gloo), through ``python -m lit_spec.train`` as a user runs
-it, in fp32 (trains, exports losslessly, resumes) and in the GPU's bf16-mixed (trains and exports with the dtypes the
-precision policy states, every method under all three strategies); and data parallelism changing nothing but speed.
+"""The card's distributed path, run for real: every trainable method under the card's DeepSpeed ZeRO-3, and DDP,
+ZeRO-2 and FSDP2 by the methods whose trained parts each treats differently (``MATRIX``, ``BF16_MATRIX``), on 2 CPU
+processes (gloo), through ``python -m lit_spec.train`` as a user runs it, in fp32 (trains, exports losslessly,
+resumes) and in the GPU's bf16-mixed (trains and exports with the dtypes the precision policy states); and data
+parallelism changing nothing but speed.
 
 Each run is a CLI subprocess (Lightning re-launches the same command for rank 1), ~25 s on 2 cores: the module is
-marked ``distributed`` and runs as its own step of ``.ci/run`` (``pytest -m distributed``).
+marked ``distributed`` and runs as its own step of ``.ci/run`` (``pytest -m distributed``, 2 workers).
 """
 
 from __future__ import annotations
@@ -55,26 +56,27 @@ METHODS = {"ar": (AR_JACOBI, "jacobi"),
            "draft_distill": (["method=draft_distill", *STUDENT, *BASE_CHECK], "speculative")}
 ZERO = ["deepspeed_zero2", "deepspeed_zero3"]
 LORA = ("ar_lora", "ar_lora_checkpointing")
-# Every method under the card's ZeRO-3 in fp32 and bf16, and in bf16 under every strategy. Where a strategy treats
-# two methods' trained parts alike, one of them stands for both: ZeRO-2 resumes a trained model (CLLM) and trained heads
-# (Medusa, standing for Chimera, Hidden Transfer and EAGLE-3, also under bf16 ZeRO-2 and DDP, where every rank holds a
-# whole trained part; the rehearsal runs Chimera and Hidden Transfer under DDP with a bf16 base, EAGLE-3 under ZeRO-2).
-# Jacobi Forcing: its batches differ from CLLM's, its sharded path does not; packed CLLM runs
-# Jacobi Forcing's step, under the card's ZeRO-3 in bf16. Under bf16 DDP and ZeRO-2, where every rank holds the whole
-# trained model, CLLM (a trained model beside its frozen original) stands for AR and Jacobi Forcing (a trained model
-# alone); both still run bf16 under ZeRO-3 and FSDP2. AR with LoRA
-# adapters: in bf16 under the strategies that shard them, ZeRO-3 and FSDP2 (the fast suite checks its merge and
-# losslessness in fp32).
-ALIKE_HEADS = ("chimera", "hidden_transfer", "eagle3")
-ALIKE_MODELS = ("ar", "jacobi_forcing")
+# Every method under the card's ZeRO-3 in fp32 (trains, exports, and resumes, but where a method's checkpoint holds
+# what another's does: AR and Jacobi Forcing a trained model, as CLLM; Hidden Transfer's linear maps, trained heads as
+# Medusa's). ZeRO-2 and FSDP2 in fp32: CLLM (a trained model beside its frozen original), Medusa (trained heads on a
+# frozen base, standing for the other heads) and AR under FSDP2.
+# bf16-mixed, the GPU's precision, under every strategy, with the dtypes the precision policy states, by the methods
+# whose trained parts the strategy treats differently:
+# - DDP and ZeRO-2, where every rank holds every trained part whole: CLLM and Medusa (the rehearsals add Chimera,
+#   Hidden Transfer and the distilled draft under bf16 DDP, EAGLE-3 under bf16 ZeRO-2);
+# - ZeRO-3, the card's: CLLM and Medusa (each resumed), packed CLLM (Jacobi Forcing's step), EAGLE-3 (its draft
+#   vocabulary maps), the distilled draft (a second model), LoRA adapters (resumed; and under checkpointing, as the
+#   7B-70B configs run it: a frozen ZeRO-3 base recomputed, DeepSpeed#8148);
+# - FSDP2, which wraps each trained module in its own way: AR, CLLM, Chimera, Medusa, EAGLE-3, the distilled draft,
+#   LoRA adapters.
+NO_FP32_RESUME = ("ar", "jacobi_forcing", "hidden_transfer")
 MATRIX = [(m, "deepspeed_zero3") for m in METHODS if m not in (*LORA, "cllm_packed")] + [
     (m, "deepspeed_zero2") for m in ("cllm", "medusa")] + [(m, "fsdp") for m in ("ar", "cllm", "medusa")]
-BF16_MATRIX = [(m, s) for m in METHODS if m not in (*LORA, "cllm_packed") for s in ("ddp", *ZERO, "fsdp")
-               if not (m in (*ALIKE_HEADS, *ALIKE_MODELS) and s in ("ddp", "deepspeed_zero2"))] + [
-    ("ar_lora", "deepspeed_zero3"), ("ar_lora", "fsdp"), ("ar_lora_checkpointing", "deepspeed_zero3"),
-    ("cllm_packed", "deepspeed_zero3")]
-# resumed in bf16 under ZeRO-3 (bf16 weights, fp32 masters): a trained model, trained heads, LoRA adapters; every
-# method resumes under fp32 ZeRO-3, which restores the same parts of its checkpoint
+BF16_STRATEGIES = {"ddp": ("cllm", "medusa"), "deepspeed_zero2": ("cllm", "medusa"),
+                   "deepspeed_zero3": ("cllm", "cllm_packed", "medusa", "eagle3", "draft_distill", *LORA),
+                   "fsdp": ("ar", "cllm", "chimera", "medusa", "eagle3", "draft_distill", "ar_lora")}
+BF16_MATRIX = [(m, s) for s, methods in BF16_STRATEGIES.items() for m in methods]
+# resumed in bf16 under ZeRO-3 (bf16 weights, fp32 masters): a trained model, trained heads, LoRA adapters
 BF16_RESUMES = ("cllm", "medusa", "ar_lora")
 TRAJECTORY_METHODS = {"cllm": ["data=trajectories"],
                       "cllm_packed": ["data=noisy_trajectories", "data.noise_schedule=uniform"],
@@ -233,7 +235,8 @@ def test_method_trains_exports_and_resumes_on_two_processes(method, strategy, tm
             result = json.loads((first / f"base_unchanged.rank{rank}.json").read_text())
             assert result["equal"] and result["tensors"] > 0, (rank, result)
 
-    check_resume(first, tmp_path / "resumed", run, method)
+    if not (strategy == "deepspeed_zero3" and method in NO_FP32_RESUME):
+        check_resume(first, tmp_path / "resumed", run, method)
 
 
 def check_resume(first: Path, resumed: Path, run: list[str], method: str, rel: float = 1e-5) -> None:
