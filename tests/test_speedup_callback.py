@@ -177,6 +177,25 @@ def test_resumed_run_compares_with_the_original_model(trained, tmp_path):
         resumed.last_metrics["drift/nll/humaneval"] - initial["humaneval"])
 
 
+@pytest.mark.parametrize("engine", ["static", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_the_fast_engine_measures_what_eager_measures_as_the_model_trains(trained, engine, tmp_path):
+    """``callbacks.speedup.engine``: the same run on the fast path takes the same steps at every measurement, before
+    and after the weights move (a compiled forward reads the trained weights, not those it was compiled with), and
+    keeps every decoder lossless; compiling is timed apart."""
+    _, eager, _, _ = trained
+    callback = _run(tmp_path / "run", "method._target_=test_speedup_callback.JacobiAR",
+                    "data.metric=exact_match", "callbacks.speedup.drift_data=null",
+                    "callbacks.speedup.extra_decoders={lookahead: {window: 3, ngram: 3, guesses: 3}}",
+                    f"callbacks.speedup.engine={engine}")
+    same = ("mean_accepted/jacobi", "mean_accepted/lookahead", "exact_match/jacobi", "exact_match/lookahead",
+            "quality/agreement", "quality/exact_match")
+    assert [(step, {k: m[k] for k in same}) for step, m in callback.history] == [
+        (step, {k: m[k] for k in same}) for step, m in eager.history]
+    assert callback.history[1][1]["quality/agreement"] < 1.0, "the weights moved between measurements"
+    compiled = [m.get("time/compile_s") for _, m in callback.history]
+    assert compiled[0] > 0 and compiled[-1] == 0.0 if engine == "compiled" else compiled == [None] * 3
+
+
 def test_original_nll_is_measured_before_the_first_step_without_a_measurement_there(tmp_path):
     """at_train_start=false still takes the original's outputs and NLL before the first step; drift_data=null: the
     held-out answers only."""
@@ -196,6 +215,8 @@ def test_unknown_extra_decoder_fails_before_training(tmp_path):
     cfg = make_config(tmp_path / "run2", [*MICRO_RUN, *SPEEDUP, "callbacks.speedup.num_prompts=0"])
     with pytest.raises(ConfigError, match="num_prompts=0"):
         run_training(cfg)
+    with pytest.raises(ConfigError, match="callbacks.speedup.engine='fast': choose one of"):
+        run_training(make_config(tmp_path / "run4", [*MICRO_RUN, *SPEEDUP, "callbacks.speedup.engine=fast"]))
     cfg = make_config(tmp_path / "run3", [*MICRO_RUN, *SPEEDUP, "+callbacks.speedup.drift_data.code=humaneal"])
     with pytest.raises(ConfigError, match="callbacks.speedup.drift_data.code='humaneal': no data config of that "
                                           "name; choose one of .*'humaneval'"):

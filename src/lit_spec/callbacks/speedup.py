@@ -46,6 +46,7 @@ from lit_spec.callbacks.decoding_copy import DecodingCopy
 from lit_spec.data.execution import describe_isolation
 from lit_spec.data.metrics import EXECUTION_METRICS, score_answers
 from lit_spec.decoding import DECODERS, Decoder
+from lit_spec.decoding.fast import ENGINES
 from lit_spec.drift import HELDOUT, answer_nll_terms, check_drift_data, compare_answers, drift_records, nll_mean
 from lit_spec.errors import ConfigError
 from lit_spec.measure import EXTRAS, Run, build_decoders, compare, concat_runs, decode_prompts, eval_mode
@@ -99,21 +100,24 @@ class SpeedupCallback(L.Callback):
             records of the data config's evaluation split), beside the held-out records' own.
         decode_copy: where the weights are sharded, decode a plain copy (``true``), the sharded model itself
             (``false``), or the copy where it fits in memory on every rank (``auto``; ``DecodingCopy``).
+        engine: the decoders' engine, ``eager``, ``static`` or ``compiled`` (``lit_spec.decoding.fast``); the
+            seconds compiling takes are logged as ``time/compile_s``, kept out of tokens/s, in ``time/measure_s``.
     """
 
     def __init__(self, num_prompts: int = 8, max_new_tokens: int = 64, split: str = "validation",
                  at_train_start: bool = True, every_n_validations: int = 1, extra_decoders: dict | None = None,
-                 drift_data: dict | None = None, decode_copy: bool | str = "auto"):
+                 drift_data: dict | None = None, decode_copy: bool | str = "auto", engine: str = "eager"):
         self.num_prompts, self.max_new_tokens, self.split = num_prompts, max_new_tokens, split
         self.at_train_start, self.every_n_validations = at_train_start, every_n_validations
         if isinstance(extra_decoders, DictConfig):
             extra_decoders = OmegaConf.to_container(extra_decoders, resolve=True)
         self.extra_decoders = {name: dict(params or {}) for name, params in (extra_decoders or {}).items()}
-        self.drift_data, self.copy = drift_data, DecodingCopy(decode_copy)
+        self.drift_data, self.copy, self.engine = drift_data, DecodingCopy(decode_copy), engine
         self.records: list[dict] | None = None
         self.answer_sets: dict[str, list[dict]] = {}    # set name -> records whose answers' NLL is logged
         self.tokenizer = None
         self.warmed = False
+        self.compile_seconds = 0.0     # the last measurement's, on this rank
         # the original model's: {"prompt_ids", "outputs" (greedy AR), "nll" ({set name: answer NLL})}
         self.reference: dict | None = None
         self.validations = 0
@@ -136,6 +140,8 @@ class SpeedupCallback(L.Callback):
                 raise ConfigError("callbacks.speedup.extra_decoders: 'ar' is the baseline, always measured; "
                                   "give the entry another name and `method: ar`")
         self.drift_data = check_drift_data(self.drift_data, "callbacks.speedup.drift_data")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"callbacks.speedup.engine={self.engine!r}: choose one of {ENGINES}")
         if self.copy.mode not in (True, False, "auto"):
             raise ConfigError(f"callbacks.speedup.decode_copy={self.copy.mode!r}: true, false or auto")
 
@@ -162,14 +168,16 @@ class SpeedupCallback(L.Callback):
     def _decoders(self, module: L.LightningModule, only_ar: bool) -> dict[str, Decoder]:
         """AR, the method's decoders and ``extra_decoders``, over the module decoded this time."""
         decoders = {"ar": DECODERS["ar"](module.model)}
-        if only_ar:
-            return decoders
-        decoders |= getattr(module, "decoders", dict)()
-        clash = sorted(set(decoders) & set(self.extra_decoders))
-        if clash:
-            raise ConfigError(f"callbacks.speedup.extra_decoders.{clash[0]}: the method already offers a decoder "
-                              f"named {clash[0]!r}; name the entry otherwise, with `method: {clash[0]}`")
-        return decoders | build_decoders(module.model, self.extra_decoders)
+        if not only_ar:
+            decoders |= getattr(module, "decoders", dict)()
+            clash = sorted(set(decoders) & set(self.extra_decoders))
+            if clash:
+                raise ConfigError(f"callbacks.speedup.extra_decoders.{clash[0]}: the method already offers a "
+                                  f"decoder named {clash[0]!r}; name the entry otherwise, with `method: {clash[0]}`")
+            decoders |= build_decoders(module.model, self.extra_decoders)
+        for decoder in decoders.values():
+            decoder.set_engine(self.engine)
+        return decoders
 
     # ---- measuring --------------------------------------------------------------------------------------------
     def _decode(self, decoders: dict[str, Decoder], records: list[dict], device: torch.device) -> dict[str, Run]:
@@ -187,6 +195,8 @@ class SpeedupCallback(L.Callback):
         with self.copy.decoding(trainer, pl_module) as (module, local), eval_mode(module), \
                 trainer.precision_plugin.forward_context():
             decoders = self._decoders(module, only_ar)
+            engines = {id(d.fast): d.fast for d in decoders.values() if d.fast is not None}.values()
+            compiled_before = sum(e.compile_time for e in engines)
             if not self.warmed:     # once per process, untimed; every rank the same prompt
                 self._decode({"ar": decoders["ar"]}, self.records[:1], module.device)
                 self.warmed = True
@@ -196,6 +206,7 @@ class SpeedupCallback(L.Callback):
             runs = {i: self._decode(decoders, [self.records[i]], module.device) for i in todo[HELDOUT]}
             nll = {n: dict(zip(todo[n], answer_nll_terms(module.model, [r[i] for i in todo[n]], module.device)))
                    for n, r in self.answer_sets.items()}
+        self.compile_seconds = sum(e.compile_time for e in engines) - compiled_before
         runs = {i: runs[i] for i in mine[HELDOUT]}
         nll = {n: {i: terms[i] for i in mine[n]} for n, terms in nll.items()}
         return self._gathered(all_gather_object((runs, nll, self._scores(trainer.datamodule, runs, decoders))))
@@ -225,6 +236,8 @@ class SpeedupCallback(L.Callback):
         self._keep_original(runs["ar"].outputs, nll)
         metrics = self._speed(runs) | self._quality(runs, scores, trainer.datamodule) | self._drift(nll)
         metrics["time/measure_s"] = time.perf_counter() - started    # the whole measurement: copy, decodes, NLLs
+        if self.engine == "compiled":
+            metrics["time/compile_s"] = self.compile_seconds     # inside time/measure_s, outside tokens/s
         self.last_metrics = metrics
         self.history.append((trainer.global_step, metrics))
         if trainer.is_global_zero:

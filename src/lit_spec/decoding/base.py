@@ -43,10 +43,8 @@ class Decoder(ABC):
     def __init__(self, model, pad_token_id: int | None = None, engine: str = "eager"):
         """``engine``: ``eager`` (transformers' dynamic cache, every forward eager), ``static`` or ``compiled`` (the
         fast path, ``lit_spec.decoding.fast``: a static cache, and the target forward compiled per width)."""
-        if engine not in ENGINES:
-            raise ConfigError(f"engine={engine!r}: choose one of {ENGINES}")
         self.model = model
-        self.fast = None if engine == "eager" else FastForward.of(model, compiled=engine == "compiled")
+        self.set_engine(engine)
         cfg = model.generation_config if getattr(model, "generation_config", None) is not None else model.config
         self.pad_token_id = pad_token_id if pad_token_id is not None else (
             cfg.pad_token_id if cfg.pad_token_id is not None else model.config.eos_token_id)
@@ -54,6 +52,13 @@ class Decoder(ABC):
             self.pad_token_id = self.pad_token_id[0]
         if self.pad_token_id is None:
             self.pad_token_id = 0
+
+    def set_engine(self, engine: str) -> None:
+        """Run the target's forwards on ``engine`` from now on (the speedup callback sets its own on the decoders a
+        method offers)."""
+        if engine not in ENGINES:
+            raise ConfigError(f"engine={engine!r}: choose one of {ENGINES}")
+        self.fast = None if engine == "eager" else FastForward.of(self.model, compiled=engine == "compiled")
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None,
