@@ -71,6 +71,21 @@ def test_the_static_cache_holds_the_committed_tokens_after_tree_and_chain_rollba
         assert length == len(committed) - 1, name
 
 
+def test_a_reserved_cache_serves_every_shorter_decode_without_growing(models):
+    """The bench reserves its longest prompt's cache before warm-up: a later decode never allocates (and, compiled,
+    recompiles every width for) a longer one."""
+    model = models["qwen2"]
+    engine = FastForward.of(model, compiled=False)
+    engine.reserve(engine.positions(300, NEW))
+    cache, length = engine.cache, engine.cache_length
+    assert length == 768        # 300 + 40 + 256 positions, rounded up to a multiple of 256
+    for n in (5, 200):
+        ids, mask = random_prompts(1, [n], seed=n)
+        assert torch.equal(generate(model, ids, "ar", max_new_tokens=NEW, engine="static").sequences,
+                           reference_greedy(model, ids, mask, NEW))
+        assert engine.cache is cache and engine.cache_length == length
+
+
 def _trimmed(static, length: int):
     from transformers import DynamicCache
 

@@ -130,17 +130,19 @@ def test_vllm_collects_the_answer_records_lit_spec_collects(served):
 
 
 def test_the_bench_runs_vllm_beside_our_decoders_on_the_same_prompts(served, tmp_path):
-    """``bench.vllm_peers``: vLLM's AR and prompt lookup join the table, exact against our AR, and every method's
-    tokens/s is divided by vLLM's AR; vLLM's prompt lookup counts the forwards ours counts on these prompts."""
+    """``bench.vllm_peers``: vLLM's AR (eager and compiled) and prompt lookup join the table, exact against our AR,
+    and every method's tokens/s is divided by vLLM's AR; vLLM's prompt lookup counts the forwards ours counts on these
+    prompts."""
     cfg = compose_config(["model=hf", f"model.name_or_path={served['target']}", "model.dtype=float32", "draft=null",
                           "decoding=[prompt_lookup]", "bench.hf_peers=[]", f"bench.num_prompts={PROMPTS}",
-                          f"bench.max_new_tokens={NEW_TOKENS}", "bench.vllm_peers={vllm: null, vllm_ngram: {method: "
-                          "ngram, num_speculative_tokens: 10, prompt_lookup_max: 2, prompt_lookup_min: 1}}"],
+                          f"bench.max_new_tokens={NEW_TOKENS}", "bench.vllm_peers={vllm: null, vllm_compiled: "
+                          "{compiled: true}, vllm_ngram: {method: ngram, num_speculative_tokens: 10, "
+                          "prompt_lookup_max: 2, prompt_lookup_min: 1}}"],
                          config_name="bench")
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp_path)
     methods = run_benchmark(cfg, tmp_path)["methods"]
-    assert set(methods) == {"ar", "prompt_lookup", "vllm", "vllm_ngram"}
+    assert set(methods) == {"ar", "prompt_lookup", "vllm", "vllm_compiled", "vllm_ngram"}
     assert all(m["exact_match"] == 1.0 for m in methods.values())
     assert methods["vllm"]["speedup_vllm"] == 1.0
     assert methods["ar"]["speedup_vllm"] == pytest.approx(methods["ar"]["tokens_per_s"] / methods["vllm"]["tokens_per_s"])

@@ -25,7 +25,8 @@ from lit_spec.decoding.fast import ENGINES
 from lit_spec.drift import HELDOUT, check_drift_data, compare_answers, compare_nll, drift_records
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json, write_text
-from lit_spec.measure import HFPeer, build_decoders, compare, decode_prompts, vllm_peer_runs, warm_up
+from lit_spec.measure import (HFPeer, build_decoders, compare, decode_prompts, fast_engines, vllm_peer_runs,
+                              warm_up)
 from lit_spec.precision import export_dtype
 from lit_spec.serving.vllm_runner import require_vllm
 from lit_spec.stages import ensure_stages
@@ -157,7 +158,8 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     prompts = [torch.tensor([r["prompt_ids"]], device=device) for r in records]
     eos, max_new = tokenizer.eos_token_id, cfg.bench.max_new_tokens
     runners = build_runners(cfg, model, draft, tokenizer)
-
+    for engine in fast_engines(runners):    # sized for the longest prompt: no cache grown, nothing recompiled, later
+        engine.reserve(engine.positions(max(p.size(1) for p in prompts), max_new))
     warm_up(runners, prompts[: cfg.bench.warmup_prompts], max_new, eos)
     with tqdm(total=len(prompts) * len(runners), desc="bench", unit="decode") as bar:
         def progress(name: str, stats) -> None:
@@ -191,8 +193,7 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
 def compile_seconds(runners: dict) -> dict[str, float]:
     """The seconds each block width took to compile (``"8@768"``, ``"8+hidden@768"``: width, cache length), warm-up
     included and kept out of every timing. The model's compiled engine is one, shared by its ``@compiled`` runners."""
-    engines = {id(r.fast): r.fast for r in runners.values() if getattr(r, "fast", None) and r.fast.compiled}
-    return {f"{q}{'+hidden' if hidden else ''}@{length}": s for engine in engines.values()
+    return {f"{q}{'+hidden' if hidden else ''}@{length}": s for engine in fast_engines(runners) if engine.compiled
             for (q, hidden, length), s in engine.compile_seconds.items()}
 
 

@@ -47,6 +47,11 @@ def build_decoders(model, specs: dict[str, dict], draft=None, **common) -> dict[
     return decoders
 
 
+def fast_engines(runners: dict) -> list:
+    """The fast engines (``FastForward``) the runners share: one per model and engine setting."""
+    return list({id(r.fast): r.fast for r in runners.values() if getattr(r, "fast", None)}.values())
+
+
 class HFPeer:
     """transformers' ``generate`` in one of its modes (``HF_PEERS``), timed like our decoders (tokens, wall time)."""
 
@@ -87,13 +92,18 @@ class HFPeer:
 def vllm_peer_runs(peers: dict[str, dict | None], model: str, dtype: str, prompts: list[torch.Tensor],
                    max_new_tokens: int, eos) -> dict[str, "Run"]:
     """vLLM (``lit_spec.serving.vllm_runner``) on the same prompt ids, one prompt at a time, greedy: ``{name:
-    speculative_config or None}``, each a ``Run`` like our decoders'. Its forwards are each prompt's prefill plus
-    its decode steps (τ as ours). vLLM counts neither its steps nor, for a step that drafted nothing (``ngram``
+    speculative_config or None}``, each a ``Run`` like our decoders'; eager, unless the config has ``compiled: true``
+    (``{compiled: true}`` alone: AR, compiled). Its forwards are each prompt's prefill plus its decode steps (τ as
+    ours). vLLM counts neither its steps nor, for a step that drafted nothing (``ngram``
     without a match), its drafts, so the steps are the larger of two lower bounds: the steps that drafted, and the
     new tokens less the accepted ones (vLLM also counts tokens accepted past a prompt's stop, at most K a prompt)."""
     ids = [p[0].tolist() for p in prompts]
-    results = run_vllm({name: {"model": model, **({"speculative_config": spec} if spec else {})}
-                        for name, spec in peers.items()}, ids, max_new_tokens, dtype=dtype)
+    runs = {}
+    for name, spec in peers.items():
+        spec = dict(spec or {})
+        runs[name] = {"model": model, "enforce_eager": not spec.pop("compiled", False),
+                      **({"speculative_config": spec} if spec else {})}
+    results = run_vllm(runs, ids, max_new_tokens, dtype=dtype)
     runs = {}
     for name, r in results.items():
         outputs = [until_eos(t, eos_ids(eos)) for t in r.tokens]

@@ -76,12 +76,22 @@ class FastForward:
     def compile_time(self) -> float:
         return sum(self.compile_seconds.values())
 
-    def new_cache(self, length: int) -> kv.StaticCache:
-        """The static cache, emptied, holding at least ``length`` positions (a longer one is allocated, and its
-        shapes compiled anew, only when a decode needs more)."""
+    @staticmethod
+    def positions(prompt_length: int, max_new_tokens: int) -> int:
+        """The cache positions a decode may use: its tokens plus the widest block a decoder feeds (checked at each
+        forward)."""
+        return prompt_length + max_new_tokens + CACHE_STEP
+
+    def reserve(self, length: int) -> None:
+        """A static cache of at least ``length`` positions. A longer one is allocated, and every width compiled anew
+        for its shapes, only when a decode needs more: the bench reserves its longest prompt's before warm-up."""
         if self.cache_length < length:
             self.cache_length = -(-length // CACHE_STEP) * CACHE_STEP
             self.cache = kv.static_cache(self.model, self.cache_length)
+
+    def new_cache(self, length: int) -> kv.StaticCache:
+        """The static cache, emptied, holding at least ``length`` positions."""
+        self.reserve(length)
         kv.set_length(self.cache, 0)
         return self.cache
 

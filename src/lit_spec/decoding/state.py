@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_spec.decoding import cache as kv
-from lit_spec.decoding.fast import CACHE_STEP, FastForward, width_bucket
+from lit_spec.decoding.fast import FastForward, width_bucket
 from lit_spec.decoding.masks import attention_mask, causal
 from lit_spec.decoding.stats import DecodeStats
 from lit_spec.errors import ConfigError
@@ -240,8 +240,7 @@ class FastDecodeState(DecodeState):
         self.allowed = torch.full((1, engine.cache_length), self.min, dtype=self.dtype, device=input_ids.device)
 
     def _new_cache(self):
-        # the committed tokens plus the widest block a decoder feeds (checked at each forward)
-        return self.engine.new_cache(self.prompt.size(1) + self.max_new_tokens + CACHE_STEP)
+        return self.engine.new_cache(self.engine.positions(self.prompt.size(1), self.max_new_tokens))
 
     @torch.no_grad()
     def prefill(self) -> torch.Tensor:

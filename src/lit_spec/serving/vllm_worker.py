@@ -31,11 +31,12 @@ def counters(llm) -> dict:
     return out
 
 
-def engine(model: str, request: dict, max_num_seqs: int, speculative_config: dict | None = None):
+def engine(model: str, request: dict, max_num_seqs: int, speculative_config: dict | None = None,
+           enforce_eager: bool = True):
     from vllm import LLM
 
     return LLM(model=model, tokenizer=model, dtype=request.get("dtype", "float32"), seed=request.get("seed", 0),
-               max_model_len=request.get("max_model_len", 2048), enforce_eager=request.get("enforce_eager", True),
+               max_model_len=request.get("max_model_len", 2048), enforce_eager=enforce_eager,
                speculative_config=speculative_config, disable_log_stats=False, max_num_seqs=max_num_seqs,
                distributed_executor_backend="uni")
 
@@ -53,7 +54,7 @@ def prompts_of(ids_list: list) -> list:
 
 
 def run(run: dict, request: dict) -> dict:
-    llm = engine(run["model"], request, 1, run.get("speculative_config"))
+    llm = engine(run["model"], request, 1, run.get("speculative_config"), run.get("enforce_eager", True))
     params, prompts = greedy(request), prompts_of(request["prompts"])
     for prompt in prompts[: request.get("warmup", 1)]:        # vLLM's first call pays for setting up
         llm.generate([prompt], params, use_tqdm=False)
