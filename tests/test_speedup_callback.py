@@ -16,6 +16,7 @@ from lit_spec.decoding.jacobi import JacobiDecoder
 from lit_spec.drift import answer_nll
 from lit_spec.errors import ConfigError
 from lit_spec.methods import ARModule
+from lit_spec.strategies import FSDPStrategy
 from lit_spec.training import run_training
 
 SPEEDUP = ["callbacks=speedup", "callbacks.speedup.num_prompts=2", "callbacks.speedup.max_new_tokens=8"]
@@ -217,6 +218,10 @@ def test_unknown_extra_decoder_fails_before_training(tmp_path):
         run_training(cfg)
     with pytest.raises(ConfigError, match="callbacks.speedup.engine='fast': choose one of"):
         run_training(make_config(tmp_path / "run4", [*MICRO_RUN, *SPEEDUP, "callbacks.speedup.engine=fast"]))
+    # sharded weights: a new copy decoded at every measurement, so no fast path (refused before the process group)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=FSDPStrategy(), logger=False)
+    with pytest.raises(ConfigError, match="engine=compiled: under FSDPStrategy .* use engine=eager"):
+        SpeedupCallback(engine="compiled").setup(trainer, None, "fit")     # its checks read no module
     cfg = make_config(tmp_path / "run3", [*MICRO_RUN, *SPEEDUP, "+callbacks.speedup.drift_data.code=humaneal"])
     with pytest.raises(ConfigError, match="callbacks.speedup.drift_data.code='humaneal': no data config of that "
                                           "name; choose one of .*'humaneval'"):

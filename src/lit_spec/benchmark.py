@@ -157,6 +157,10 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     answer_sets = {HELDOUT: records} | {name: drift_records(data, tokenizer) for name, data in drift_data.items()}
     prompts = [torch.tensor([r["prompt_ids"]], device=device) for r in records]
     eos, max_new = tokenizer.eos_token_id, cfg.bench.max_new_tokens
+    # vLLM first, in processes of its own: a run it cannot start fails the bench before our decodes, not after
+    peer_runs = vllm_peer_runs(OmegaConf.to_container(cfg.bench.vllm_peers, resolve=True), spec.name_or_path,
+                               str(export_dtype("auto", spec)).removeprefix("torch."), prompts, max_new,
+                               eos) if cfg.bench.vllm_peers else {}
     runners = build_runners(cfg, model, draft, tokenizer)
     for engine in fast_engines(runners):    # sized for the longest prompt: no cache grown, nothing recompiled, later
         engine.reserve(engine.positions(max(p.size(1) for p in prompts), max_new))
@@ -167,9 +171,7 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
             bar.update()
 
         runs = decode_prompts(runners, prompts, max_new, eos, progress)
-    if cfg.bench.vllm_peers:
-        runs |= vllm_peer_runs(OmegaConf.to_container(cfg.bench.vllm_peers, resolve=True), spec.name_or_path,
-                               str(export_dtype("auto", spec)).removeprefix("torch."), prompts, max_new, eos)
+    runs |= peer_runs
     # sampled outputs differ by chance: token identity is a greedy (temperature 0) check only
     methods = compare(runs, "ar", exact=not cfg.bench.temperature, reference="hf_generate")
     results = {"model": spec.name_or_path, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),

@@ -51,7 +51,7 @@ from lit_spec.drift import HELDOUT, answer_nll_terms, check_drift_data, compare_
 from lit_spec.errors import ConfigError
 from lit_spec.measure import (EXTRAS, Run, build_decoders, compare, concat_runs, decode_prompts, eval_mode,
                               fast_engines)
-from lit_spec.strategies import all_gather_object
+from lit_spec.strategies import all_gather_object, weights_sharded
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,11 @@ class SpeedupCallback(L.Callback):
         self.drift_data = check_drift_data(self.drift_data, "callbacks.speedup.drift_data")
         if self.engine not in ENGINES:
             raise ConfigError(f"callbacks.speedup.engine={self.engine!r}: choose one of {ENGINES}")
+        if self.engine != "eager" and weights_sharded(trainer.strategy):
+            # the copy decoded under sharded weights is new at every measurement: its cache and widths would be too
+            raise ConfigError(f"callbacks.speedup.engine={self.engine}: under {type(trainer.strategy).__name__} the "
+                              "callback decodes a new copy of the sharded model at every measurement, which the "
+                              "fast path would rebuild and recompile each time; use engine=eager there")
         if self.copy.mode not in (True, False, "auto"):
             raise ConfigError(f"callbacks.speedup.decode_copy={self.copy.mode!r}: true, false or auto")
 

