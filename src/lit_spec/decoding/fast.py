@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from lit_spec.decoding import cache as kv
-from lit_spec.decoding.packed_linear import packable, packed_twin
 from lit_spec.errors import ConfigError
 
 ENGINES = ("eager", "static", "compiled")
@@ -63,8 +62,6 @@ class FastForward:
             raise ConfigError(f"the fast decoding path runs sdpa attention; this model uses {attention!r}: load it "
                               "with model.attn_implementation=sdpa or decode with engine=eager")
         self.model, self.compiled = model, compiled
-        # what runs the forwards: uncompiled on a CPU in fp32, a twin whose linears use oneDNN's packed weights
-        self.runner = packed_twin(model).eval() if not compiled and packable(model) else model
         self.cache: kv.StaticCache | None = None
         self.cache_length = 0
         self.compile_seconds: dict[tuple[int, bool, int], float] = {}
@@ -112,7 +109,7 @@ class FastForward:
         return out
 
     def _forward(self, ids, mask, position_ids, hidden: bool):
-        return self.runner(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                           output_hidden_states=hidden, **{self.cache_keyword: self.cache})
 
     @contextmanager
