@@ -25,8 +25,8 @@ from lit_spec.decoding.fast import ENGINES
 from lit_spec.drift import HELDOUT, check_drift_data, compare_answers, compare_nll, drift_records
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json, write_text
-from lit_spec.measure import (HFPeer, build_decoders, compare, decode_prompts, fast_engines, vllm_peer_runs,
-                              warm_up)
+from lit_spec.measure import (HFPeer, build_decoders, compare, decode_prompts, fast_engines, reserve_fast_caches,
+                              vllm_peer_runs, warm_up)
 from lit_spec.precision import export_dtype
 from lit_spec.serving.vllm_runner import require_vllm
 from lit_spec.stages import ensure_stages
@@ -162,8 +162,7 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
                                str(export_dtype("auto", spec)).removeprefix("torch."), prompts, max_new,
                                eos) if cfg.bench.vllm_peers else {}
     runners = build_runners(cfg, model, draft, tokenizer)
-    for engine in fast_engines(runners):    # sized for the longest prompt: no cache grown, nothing recompiled, later
-        engine.reserve(engine.positions(max(p.size(1) for p in prompts), max_new))
+    reserve_fast_caches(runners, [p.size(1) for p in prompts], max_new)
     warm_up(runners, prompts[: cfg.bench.warmup_prompts], max_new, eos)
     with tqdm(total=len(prompts) * len(runners), desc="bench", unit="decode") as bar:
         def progress(name: str, stats) -> None:

@@ -52,6 +52,15 @@ def fast_engines(runners: dict) -> list:
     return list({id(r.fast): r.fast for r in runners.values() if getattr(r, "fast", None)}.values())
 
 
+def reserve_fast_caches(runners: dict, prompt_lengths: list[int], max_new_tokens: int) -> list:
+    """The runners' fast engines, each with its static cache sized for the longest prompt before any decode, so
+    that no cache grows (and no width recompiles for its shapes) mid-run."""
+    engines = fast_engines(runners)
+    for engine in engines:
+        engine.reserve(engine.positions(max(prompt_lengths), max_new_tokens))
+    return engines
+
+
 class HFPeer:
     """transformers' ``generate`` in one of its modes (``HF_PEERS``), timed like our decoders (tokens, wall time)."""
 
@@ -98,12 +107,12 @@ def vllm_peer_runs(peers: dict[str, dict | None], model: str, dtype: str, prompt
     without a match), its drafts, so the steps are the larger of two lower bounds: the steps that drafted, and the
     new tokens less the accepted ones (vLLM also counts tokens accepted past a prompt's stop, at most K a prompt)."""
     ids = [p[0].tolist() for p in prompts]
-    runs = {}
+    requests = {}
     for name, spec in peers.items():
         spec = dict(spec or {})
-        runs[name] = {"model": model, "enforce_eager": not spec.pop("compiled", False),
-                      **({"speculative_config": spec} if spec else {})}
-    results = run_vllm(runs, ids, max_new_tokens, dtype=dtype)
+        requests[name] = {"model": model, "enforce_eager": not spec.pop("compiled", False),
+                          **({"speculative_config": spec} if spec else {})}
+    results = run_vllm(requests, ids, max_new_tokens, dtype=dtype)
     runs = {}
     for name, r in results.items():
         outputs = [until_eos(t, eos_ids(eos)) for t in r.tokens]

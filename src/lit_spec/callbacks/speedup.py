@@ -50,7 +50,7 @@ from lit_spec.decoding.fast import ENGINES
 from lit_spec.drift import HELDOUT, answer_nll_terms, check_drift_data, compare_answers, drift_records, nll_mean
 from lit_spec.errors import ConfigError
 from lit_spec.measure import (EXTRAS, Run, build_decoders, compare, concat_runs, decode_prompts, eval_mode,
-                              fast_engines)
+                              reserve_fast_caches)
 from lit_spec.strategies import all_gather_object, weights_sharded
 
 log = logging.getLogger(__name__)
@@ -201,9 +201,8 @@ class SpeedupCallback(L.Callback):
         with self.copy.decoding(trainer, pl_module) as (module, local), eval_mode(module), \
                 trainer.precision_plugin.forward_context():
             decoders = self._decoders(module, only_ar)
-            engines = fast_engines(decoders)
-            for engine in engines:    # the longest prompt's cache at once: no cache grown (and recompiled) later
-                engine.reserve(engine.positions(max(len(r["prompt_ids"]) for r in self.records), self.max_new_tokens))
+            engines = reserve_fast_caches(decoders, [len(r["prompt_ids"]) for r in self.records],
+                                          self.max_new_tokens)
             compiled_before = sum(e.compile_time for e in engines)
             if not self.warmed:     # once per process, untimed; every rank the same prompt
                 self._decode({"ar": decoders["ar"]}, self.records[:1], module.device)
