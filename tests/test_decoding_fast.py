@@ -13,7 +13,7 @@ from test_eagle3 import eagle3
 from test_hidden_transfer import transfer
 
 from lit_spec.decoding import generate
-from lit_spec.decoding.fast import FastForward, width_bucket
+from lit_spec.decoding.fast import FastForward, PackedHead, width_bucket
 from lit_spec.errors import ConfigError
 
 NEW = 40
@@ -84,6 +84,20 @@ def test_a_reserved_cache_serves_every_shorter_decode_without_growing(models):
         assert torch.equal(generate(model, ids, "ar", max_new_tokens=NEW, engine="static").sequences,
                            reference_greedy(model, ids, mask, NEW))
         assert engine.cache is cache and engine.cache_length == length
+
+
+def test_the_packed_head_follows_the_weights_it_was_packed_from(models):
+    """On a CPU fp32 model the fast path reads logits through oneDNN's packed copy of the LM head: a head trained
+    between decodes (the speedup callback's case) is packed again, so the decode follows the new weights."""
+    model = noisy_copy(models["llama"], 0.0)
+    assert FastForward.of(model, compiled=False).head is not None
+    ids, mask = random_prompts(1, [7], seed=6)
+    for _ in range(2):
+        out = generate(model, ids, "prompt_lookup", max_new_tokens=NEW, engine="static")
+        assert torch.equal(out.sequences, reference_greedy(model, ids, mask, NEW))
+        with torch.no_grad():
+            model.lm_head.weight.mul_(-1.0)         # in place: the greedy tokens change
+    assert PackedHead.of(noisy_copy(model, 0.0).to(torch.bfloat16)) is None    # the model's own head: not fp32
 
 
 def _trimmed(static, length: int):

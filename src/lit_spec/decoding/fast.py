@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lit_spec.decoding import cache as kv
 from lit_spec.errors import ConfigError
@@ -23,6 +24,7 @@ from lit_spec.errors import ConfigError
 ENGINES = ("eager", "static", "compiled")
 GQA_SDPA = "lit_spec_sdpa_gqa"
 CACHE_STEP = 256          # the static cache's length is a multiple of this, so prompts of near lengths share it
+PLAIN_HEADS = ("llama", "mistral", "qwen2", "qwen3", "phi3")    # model types whose logits are lm_head(last hidden)
 
 
 def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -40,6 +42,37 @@ AttentionInterface.register(GQA_SDPA, sdpa_gqa)
 def width_bucket(q: int) -> int:
     """The padded width a block of ``q`` tokens runs at: the next power of two."""
     return 1 << (q - 1).bit_length()
+
+
+class PackedHead:
+    """The LM head on oneDNN's packed fp32 weight, run eagerly after the (compiled) decoder stack and only on the rows
+    whose logits are read. MKL's GEMM reads SmolLM2's 49152 x 576 head at 13 GB/s for one row and 5 GB/s for four on a
+    2-core EPYC; oneDNN's at 25 and 11 (experiments/RESULTS.md). The weight is packed again when it changes (the
+    speedup callback decodes the model it trains)."""
+
+    def __init__(self, head: torch.nn.Linear):
+        self.head, self.version, self.packed = head, None, None
+
+    @classmethod
+    def of(cls, model) -> "PackedHead | None":
+        """The model's packed head, or None where the fast path keeps the model's own (not a CPU fp32 model whose
+        logits are its head's output alone, or no oneDNN)."""
+        head = model.get_output_embeddings()
+        plain = model.config.model_type in PLAIN_HEADS and type(head) is torch.nn.Linear
+        weight = getattr(head, "weight", None)
+        if plain and weight.device.type == "cpu" and weight.dtype == torch.float32 and \
+                torch.backends.mkldnn.is_available():
+            return cls(head)
+        return None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.head.weight
+        version = (weight.data_ptr(), weight._version)
+        if version != self.version:
+            self.packed, self.version = weight.detach().to_mkldnn(), version
+        rows = hidden.reshape(-1, hidden.size(-1))
+        logits = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.head.bias, "none", [], "")
+        return logits.view(*hidden.shape[:-1], -1)
 
 
 class FastForward:
@@ -65,7 +98,9 @@ class FastForward:
         self.cache: kv.StaticCache | None = None
         self.cache_length = 0
         self.compile_seconds: dict[tuple[int, bool, int], float] = {}
-        self.cache_keyword = next(iter(kv.cache_argument(model, None)))   # looked up once, outside compiled code
+        self.head = PackedHead.of(model)
+        self.body = model.get_decoder() if self.head else model      # what runs compiled: the stack, or all of it
+        self.cache_keyword = next(iter(kv.cache_argument(self.body, None)))   # looked up once, outside compiled code
         self._run = self._forward
         if compiled:
             # the widths (powers of two) x hidden states or not stay well under this; the default (8) could not
@@ -95,9 +130,15 @@ class FastForward:
         kv.set_length(self.cache, 0)
         return self.cache
 
-    def __call__(self, ids, mask, position_ids, hidden: bool, eager: bool = False):
+    def __call__(self, ids, mask, position_ids, hidden: bool, rows: slice, eager: bool = False):
         """Run the model on ``ids`` [1, q] against the static cache (inside ``attention()``); ``eager`` for the
-        prefill."""
+        prefill. The logits of the block's ``rows`` are returned (more where the model's own head runs)."""
+        out = self._body(ids, mask, position_ids, hidden, eager)
+        if self.head is None:
+            return out
+        return CausalLMOutputWithPast(logits=self.head(out.last_hidden_state[:, rows]), hidden_states=out.hidden_states)
+
+    def _body(self, ids, mask, position_ids, hidden: bool, eager: bool):
         if eager or not self.compiled:
             return self._forward(ids, mask, position_ids, hidden)
         key = (ids.size(1), hidden, self.cache_length)   # a longer cache recompiles every width
@@ -109,8 +150,8 @@ class FastForward:
         return out
 
     def _forward(self, ids, mask, position_ids, hidden: bool):
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                          output_hidden_states=hidden, **{self.cache_keyword: self.cache})
+        return self.body(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                         output_hidden_states=hidden, **{self.cache_keyword: self.cache})
 
     @contextmanager
     def attention(self):

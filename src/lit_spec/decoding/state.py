@@ -251,7 +251,7 @@ class FastDecodeState(DecodeState):
         visible = causal(n, self.prompt.device) & (valid | torch.eye(n, dtype=torch.bool, device=valid.device))
         with self.stats.timed("forward_time", self.prompt.device):
             out = self.engine(self.prompt, self._mask(n, 0, visible), self.prompt_positions(), bool(self.record_hidden),
-                              eager=True)
+                              slice(n - 1, n), eager=True)
         self._record_hidden(out, n)
         self.length = n
         return out.logits[:, -1]
@@ -270,7 +270,8 @@ class FastDecodeState(DecodeState):
         position_ids = self.next_pos[:, None] + depth
         ids, position_ids = (F.pad(t, (0, width - q), value=0) for t in (block, position_ids))
         with self.stats.timed("forward_time", block.device):
-            out = self.engine(ids, self._mask(width, start, pattern), position_ids, bool(self.record_hidden))
+            out = self.engine(ids, self._mask(width, start, pattern), position_ids, bool(self.record_hidden),
+                              slice(0, q))
         self._set_length(start + q)             # the pads' entries lie past the length: masked, then overwritten
         self.allowed[:, start: start + q] = 0.0
         self._record_hidden(out, q)
