@@ -52,7 +52,12 @@ def test_bench_runs_every_runner_and_writes_its_report(micro_dirs, tmp_path):
     table = (tmp_path / "bench.md").read_text()
     assert all(f"| {name} |" in table for name in methods)
     ar_row = next(line for line in table.splitlines() if line.startswith("| ar |"))
-    assert ar_row.split(" | ")[-2] == "1.00×"          # AR's target forward against its own
+    assert ar_row.split(" | ")[-3] == "1.00×"          # AR's target forward against its own
+    limit = results["bandwidth_limit"]
+    assert limit["read_gb_per_s"] > 0 and "AR's bandwidth limit" in table
+    assert limit["tokens_per_s"] == pytest.approx(1e9 * limit["read_gb_per_s"] / limit["bytes_per_token"])
+    for m in methods.values():
+        assert m["bandwidth_share"] == pytest.approx(m["tokens_per_s"] / limit["tokens_per_s"])
     assert (tmp_path / "bench.png").stat().st_size > 1000
     quality = results["quality"]
     assert set(quality) == {"repetitive", "mean_new_tokens"} and "greedy answers: repetitive" in table
@@ -213,3 +218,19 @@ def test_compare_gives_speedup_tau_exactness_and_forward_cost_from_the_counts():
     assert m["engine_overhead"] == pytest.approx(0.2)
     halves = concat_runs([{"ar": run([[1, 2, 3]], 3, 3, 1.0, 0.8)}, {"ar": run([[4, 5, 6]], 3, 3, 2.0, 1.6)}])
     assert halves["ar"].outputs == ar.outputs and halves["ar"].stats.tokens_per_s == ar.stats.tokens_per_s
+
+
+def test_a_token_reads_every_weight_once_and_the_cache_at_its_context():
+    """The bandwidth limit's bytes: a 2-layer Llama (hidden 64, 2 of 4 heads for keys/values, head dim 16) reads its
+    weights without the untied input embedding's, or with the tied head once, and 2 layers x keys and values x 2
+    heads x 16 x 4 bytes per cached position."""
+    from random_models import VOCAB, random_model
+
+    from lit_spec.measure import bytes_per_token
+
+    model = random_model("llama")
+    all_weights = 4 * sum(p.numel() for p in model.parameters())
+    kv = 2 * 2 * 2 * 16 * 4
+    assert bytes_per_token(model, 10) == all_weights - 4 * VOCAB * 64 + 10 * kv
+    model.lm_head.weight = model.model.embed_tokens.weight          # tied: one matrix, read once as the head
+    assert bytes_per_token(model, 0) == all_weights - 4 * VOCAB * 64

@@ -25,7 +25,7 @@ from lit_spec.decoding.fast import ENGINES
 from lit_spec.drift import HELDOUT, check_drift_data, compare_answers, compare_nll, drift_records
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json, write_text
-from lit_spec.measure import (HFPeer, build_decoders, compare, decode_prompts, fast_engines, reserve_fast_caches,
+from lit_spec.measure import (HFPeer, bandwidth_limit, build_decoders, compare, decode_prompts, fast_engines, reserve_fast_caches,
                               vllm_peer_runs, warm_up)
 from lit_spec.precision import export_dtype
 from lit_spec.serving.vllm_runner import require_vllm
@@ -171,11 +171,15 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
 
         runs = decode_prompts(runners, prompts, max_new, eos, progress)
     runs |= peer_runs
+    limit = bandwidth_limit(model, [p.size(1) for p in prompts], max_new)
     # sampled outputs differ by chance: token identity is a greedy (temperature 0) check only
     methods = compare(runs, "ar", exact=not cfg.bench.temperature, reference="hf_generate")
+    for m in methods.values():
+        m["bandwidth_share"] = m["tokens_per_s"] / limit["tokens_per_s"]
     results = {"model": spec.name_or_path, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
                "num_prompts": len(prompts), "num_prompts_asked": cfg.bench.num_prompts, "max_new_tokens": max_new,
-               "temperature": cfg.bench.temperature, "methods": methods, "compile_seconds": compile_seconds(runners)}
+               "temperature": cfg.bench.temperature, "methods": methods, "compile_seconds": compile_seconds(runners),
+               "bandwidth_limit": limit}
     metric = cfg.bench.get("metric")
     if metric is not None:      # every method's own answers: a lossless method scores what AR scores
         for name, run in runs.items():
@@ -230,6 +234,7 @@ COLUMNS = [  # (header, cell of a method's results)
     ("compiling (kept out)", lambda m: _fmt(m.get("compile_time") or None, ".1f", " s")),
     ("target forward vs AR's", lambda m: _fmt(m["forward_cost"], ".2f", "×")),
     ("engine overhead", lambda m: _fmt(m["engine_overhead"], ".1%")),
+    ("share of AR's bandwidth limit", lambda m: _fmt(m.get("bandwidth_share"), ".0%")),
 ]
 
 
@@ -272,6 +277,13 @@ def drift_markdown(results: dict) -> str:
             + "|---|---|---|---|---|\n" + "\n".join(rows) + f"\n\ngreedy AR answers against the original's: {greedy}\n")
 
 
+def _limit_line(results: dict) -> str:
+    limit = results.get("bandwidth_limit")
+    return "" if limit is None else (
+        f"AR's bandwidth limit: {limit['tokens_per_s']:.1f} tokens/s ({limit['bytes_per_token'] / 1e6:.0f} MB read "
+        f"per token at {limit['read_gb_per_s']:.1f} GB/s, the read bandwidth measured here)\n\n")
+
+
 def write_report(results: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "bench.json", results)
@@ -283,7 +295,7 @@ def write_report(results: dict, out_dir: Path) -> None:
         + f", max_new_tokens={results['max_new_tokens']}, "
         f"temperature={results['temperature']}, device {results['device']}, {results['dtype']}, "
         f"model `{results['model']}`\n\n"
-        + markdown_table(results) + ("\nsampled AR answers: " if results["temperature"] else "\ngreedy answers: ")
+        + _limit_line(results) + markdown_table(results) + ("\nsampled AR answers: " if results["temperature"] else "\ngreedy answers: ")
         + ", ".join(f"{k} {v:.3f}" for k, v in results["quality"].items()) + "\n"
         + (f"\nanswers executed with isolation: {results['execution_isolation']}\n"
            if results.get("execution_isolation") else "")

@@ -183,6 +183,45 @@ def eval_mode(module: torch.nn.Module):
             m.training = training
 
 
+def read_bandwidth(device: torch.device, nbytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Bytes per second this device reads from memory: the best of ``repeats`` sums over ``nbytes`` of fp32, many
+    times the CPU's last-level cache (every core summing: what a decode's weight reads get at best)."""
+    data = torch.ones(nbytes // 4, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        sync_device(device)
+        start = time.perf_counter()
+        data.sum()
+        sync_device(device)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def bytes_per_token(model, context: float) -> float:
+    """What a one-token forward reads at ``context`` cached positions: every weight once (a tied LM head once; an
+    untied input embedding not at all, since one row of it is read) and the keys and values of every layer."""
+    skip = set()
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or embed.weight is not head.weight:
+        skip.add(id(embed.weight))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    element = next(model.parameters()).element_size()
+    return weights + 2 * c.num_hidden_layers * kv_heads * head_dim * element * context
+
+
+def bandwidth_limit(model, prompt_lengths: list[int], max_new_tokens: int) -> dict:
+    """AR's physical limit here: the tokens per second a one-token-per-forward decode would reach if every forward
+    only read its bytes (``bytes_per_token`` at the mean context: prompt + half the new tokens) at the measured read
+    bandwidth. A decoder's share of it may pass 1: it reads the weights once for several tokens."""
+    device = next(model.parameters()).device
+    bandwidth = read_bandwidth(device)
+    per_token = bytes_per_token(model, mean(prompt_lengths) + max_new_tokens / 2)
+    return {"read_gb_per_s": bandwidth / 1e9, "bytes_per_token": per_token, "tokens_per_s": bandwidth / per_token}
+
+
 def mean(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else 0.0
