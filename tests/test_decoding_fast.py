@@ -56,6 +56,21 @@ def test_every_decoder_on_the_static_engine_is_identical_to_generate(models, arc
     assert model.config._attn_implementation == "sdpa"      # the fast path gives the model its attention back
 
 
+def test_a_draft_model_decodes_on_an_engine_of_its_own(models):
+    """speculative, tree and ouroboros on the static engine run their draft model on its own static cache too: the
+    same draft forwards as on the eager engine, and the draft gets its attention back."""
+    model = models["qwen2"]
+    ids, _ = random_prompts(1, [9], seed=4)
+    for name in ("speculative", "tree", "ouroboros"):
+        method, params = decoders(model)[name]
+        draft = params["draft_model"]
+        fast = generate(model, ids, method, max_new_tokens=NEW, engine="static", **params)
+        eager = generate(model, ids, method, max_new_tokens=NEW, **params)
+        assert FastForward.of(draft, compiled=False).cache_length > 0, name
+        assert fast.stats.draft_forwards == eager.stats.draft_forwards > 0, name
+        assert draft.config._attn_implementation == "sdpa"
+
+
 def test_the_static_cache_holds_the_committed_tokens_after_tree_and_chain_rollbacks(models):
     model = models["llama"]
     ids, mask = random_prompts(1, [6], seed=5)

@@ -152,8 +152,8 @@ def test_bad_input_is_a_config_error(models):
     ids, mask = random_prompts(2, [4, 6])
     cases = [({"num_draft_tokens": 0}, "num_draft_tokens"), ({"num_draft_tokens": 2.5}, "num_draft_tokens"),
              ({"max_ngram": 0}, "max_ngram"), ({"min_ngram": 0}, "min_ngram"),
-             ({"min_ngram": 3, "max_ngram": 2}, "min_ngram=3 > max_ngram=2"), ({"temperature": 0.7}, "temperature"),
-             ({"temperature": 0.7, "seed": 0}, "temperature")]     # the bench's sampling settings
+             ({"min_ngram": 3, "max_ngram": 2}, "min_ngram=3 > max_ngram=2"), ({"temperature": -0.7}, "temperature"),
+             ({"temperature": 0.7, "top_p": 0}, "top_p")]
     for params, message in cases:
         with pytest.raises(ConfigError, match=message):
             DECODERS["prompt_lookup"](model, **params)

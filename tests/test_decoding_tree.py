@@ -173,7 +173,11 @@ def test_errors(models):
     with pytest.raises(ConfigError, match="temperature"):
         generate(target, ids, "tree", draft_model=target, temperature=-0.7)
     with pytest.raises(ConfigError, match="posterior_threshold"):
-        generate(target, ids, "tree", draft_model=target, temperature=0.7, posterior_threshold=0)
+        generate(target, ids, "tree", draft_model=target, temperature=0.7, acceptance="typical", posterior_threshold=0)
+    with pytest.raises(ConfigError, match="acceptance='greedy'"):
+        generate(target, ids, "tree", draft_model=target, temperature=0.7, acceptance="greedy")
+    with pytest.raises(ConfigError, match="acceptance=rejection"):
+        generate(target, ids, "tree", draft_model=target, temperature=0.7, acceptance="typical", top_p=0.9)
     with pytest.raises(ConfigError, match="lacks its parent"):
         generate(target, ids, "tree", draft_model=target, tree=[[0], [1, 0]])
     batch, mask = random_prompts(2, [4, 6])
@@ -190,7 +194,8 @@ def test_typical_acceptance_decoding(models):
     ids, mask = random_prompts(1, [7], seed=21)
 
     def tree(**kw):
-        return generate(target, ids, "tree", max_new_tokens=24, draft_model=draft, tree=MEDUSA_LIKE, **kw)
+        return generate(target, ids, "tree", max_new_tokens=24, draft_model=draft, tree=MEDUSA_LIKE,
+                        acceptance="typical", **kw)
 
     sampled = tree(temperature=1.0, seed=3)
     assert torch.equal(sampled.sequences, tree(temperature=1.0, seed=3).sequences)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -67,18 +67,27 @@ class Decoder(ABC):
         ``max_new_tokens``, stopping a row at ``eos_token_id``."""
         args = (self.model, input_ids, attention_mask, max_new_tokens, eos_token_id, self.record_hidden)
         state = DecodeState(*args) if self.fast is None else FastDecodeState(self.fast, *args)
-        compiled_before = self.fast.compile_time if self.fast else 0.0
+        engines = [self.fast, *(FastForward.of(d, self.fast.compiled) for d in self.draft_models())] if self.fast \
+            else []
+        compiled_before = sum(e.compile_time for e in engines)
         sync_device(input_ids.device)
         start = time.perf_counter()
-        with self.fast.attention() if self.fast else nullcontext():
+        with ExitStack() as spans:
+            for engine in engines:
+                spans.enter_context(engine.attention())
             extras = self._decode(state) or {}
         sync_device(input_ids.device)
         state.stats.wall_time = time.perf_counter() - start
         if self.fast:     # compiling a new width is kept out of the timings, and reported beside them
-            compiled = state.stats.compile_time = self.fast.compile_time - compiled_before
+            compiled = state.stats.compile_time = sum(e.compile_time for e in engines) - compiled_before
             state.stats.wall_time -= compiled
             state.stats.forward_time -= compiled
         return DecodeOutput(state.sequences(self.pad_token_id), state.stats, extras)
+
+    def draft_models(self) -> list:
+        """The transformers draft models this decoder runs beside the target (on the fast path when it is)."""
+        draft = getattr(self, "draft_model", None)
+        return [draft] if draft is not None else []
 
     @abstractmethod
     def _decode(self, state: DecodeState) -> dict | None: ...

@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 
 from lit_spec.decoding import cache as kv
-from lit_spec.decoding.masks import attention_mask
+from lit_spec.decoding.fast import FastForward, StaticRow
+from lit_spec.decoding.masks import attention_mask, causal
 from lit_spec.decoding.state import selects_logits
 from lit_spec.decoding.stats import sync_device
 from lit_spec.errors import ConfigError
@@ -44,10 +45,22 @@ def check_context(draft_model, state, method: str) -> None:
         raise ConfigError(f"{method}: prompt + max_new_tokens ({need}) exceeds the draft model's context of {limit}")
 
 
+def draft_runner(draft_model, state) -> "DraftRunner":
+    """The draft's runner for one decode: on the fast path, on an engine of the same kind, when the target's is."""
+    engine = getattr(state, "engine", None)
+    if engine is None:
+        return DraftRunner(draft_model)
+    fast = FastForward.of(draft_model, engine.compiled)
+    return DraftRunner(draft_model, fast, fast.positions(state.prompt.size(1), state.max_new_tokens))
+
+
 class DraftRunner:
-    def __init__(self, model):
+    def __init__(self, model, fast: FastForward | None = None, positions: int = 0):
+        """``fast``: the draft model's fast engine (the target decodes on one too), its static cache holding at
+        least ``positions``."""
         self.model = model
-        self.cache = kv.new_cache(model)
+        self.row = StaticRow(fast, positions, next(model.parameters()).dtype, self.device) if fast else None
+        self.cache = self.row.cache if fast else kv.new_cache(model)
         self.ids: list[int] = []       # tokens whose keys/values are in the cache, in order
         self.committed = 0             # ids[:committed] are known to be committed (never rolled back)
         self.forwards = 0              # draft model calls
@@ -68,26 +81,39 @@ class DraftRunner:
         clock = time.perf_counter()
         positions = torch.arange(start, start + len(tokens), device=device) if depth is None else \
             start + torch.tensor(depth, device=device)
-        if visible is None:
-            mask = torch.ones(1, start + len(tokens), dtype=torch.long, device=device)
-        else:
-            mask = attention_mask(torch.ones(1, start, dtype=torch.bool, device=device), visible, self.dtype)
         rows = torch.tensor(logits_at if logits_at is not None else [len(tokens) - 1], device=device)
-        out = self.model(input_ids=torch.tensor([tokens], device=device), position_ids=positions[None],
-                         attention_mask=mask, **kv.cache_argument(self.model, self.cache), use_cache=True,
-                         **({"logits_to_keep": rows} if self.selects_logits else {}))
-        logits = out.logits[0] if self.selects_logits else out.logits[0, rows]
+        block = torch.tensor([tokens], device=device)
+        if self.row is not None:
+            q = len(tokens)
+            out = self.row.run(block, causal(q, device) if visible is None else visible, positions[None], False,
+                               slice(0, q), eager=start == 0)      # the prompt runs eager, as the target's does
+            logits = out.logits[0, rows]
+        else:
+            out = self.model(input_ids=block, position_ids=positions[None], attention_mask=self._mask(start, len(tokens), visible),
+                             **kv.cache_argument(self.model, self.cache), use_cache=True,
+                             **({"logits_to_keep": rows} if self.selects_logits else {}))
+            logits = out.logits[0] if self.selects_logits else out.logits[0, rows]
         sync_device(device)
         self.seconds += time.perf_counter() - clock
         self.ids.extend(tokens)
         self.forwards += 1
         return logits if logits_at is not None else logits[-1]
 
+    def _mask(self, start: int, q: int, visible: torch.Tensor | None) -> torch.Tensor:
+        """A plain causal block needs only the 2-D mask of the cached and fed tokens; a tree its 4-D visibility."""
+        device = self.device
+        if visible is None:
+            return torch.ones(1, start + q, dtype=torch.long, device=device)
+        return attention_mask(torch.ones(1, start, dtype=torch.bool, device=device), visible, self.dtype)
+
     def keep_path(self, q: int, keep: list[int]) -> None:
         """After feeding a tree of ``q`` tokens, keep only the block offsets ``keep`` (increasing; a root-to-node
         path), moved to follow the cached tokens (``cache.keep_positions``)."""
         start = len(self.ids) - q
-        kv.keep_positions(self.cache, start, keep)
+        if self.row is not None:
+            self.row.keep_path(q, keep)
+        else:
+            kv.keep_positions(self.cache, start, keep)
         self.ids[start:] = [self.ids[start + k] for k in keep]
 
     def sync(self, sequence: list[int]) -> int:
@@ -97,7 +123,10 @@ class DraftRunner:
         while n < limit and self.ids[n] == sequence[n]:
             n += 1
         n = min(n, limit)
-        kv.crop(self.cache, n)
+        if self.row is not None:
+            self.row.set_length(n)
+        else:
+            kv.crop(self.cache, n)
         del self.ids[n:]
         self.committed = len(sequence)
         return n

@@ -1,7 +1,7 @@
 """EAGLE-3, decoding part (the models/ and methods/ files of this name build and train the draft): ``eagle3``,
 tree-verified decoding whose drafts come from the EAGLE-3 draft on the target's features. Greedy verification
 (``tree``) keeps it lossless whatever the draft proposes; at temperature > 0 it follows the tree decoders' rule
-(typical acceptance).
+(rejection sampling over the tree, lossless; or ``acceptance=typical``).
 
 Each step the draft first reads what the target's last forward cached: the features of those positions
 (``DecodeState.hidden`` at the draft's layers, no extra target forward), each beside the token after it, into its own
@@ -205,4 +205,4 @@ class Eagle3Decoder(TreeDecoder):
         self.commit_first(state)
         while not state.finished:
             spec, tokens = self._tree(drafter, state)
-            verify_tree(state, spec, tokens, self.typical)
+            verify_tree(state, spec, tokens, self.sampler)

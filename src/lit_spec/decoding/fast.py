@@ -2,9 +2,10 @@
 rolled back by length, the attention mask cut from one additive row per decode, grouped-query attention without
 repeating the cache, and (``compiled``) the target forward compiled once per query width, the prefill left eager.
 
-Blocks are padded to a power-of-two width, so a decoder whose block varies (prompt lookup's drafts, a tree that
-grows) compiles a few widths, not one per length. A pad token sees only itself and is rolled back with the rejected
-tokens. One prompt at a time: the static cache keeps one row (what the bench, the callback and the console decode).
+Compiled blocks are padded to a power-of-two width, so a decoder whose block varies (prompt lookup's drafts, a tree
+that grows) compiles a few widths, not one per length. A pad token sees only itself and is rolled back with the
+rejected tokens. A draft model (``speculative``, ``tree``, ``ouroboros``) runs on an engine of its own, of the same
+kind. One prompt at a time: the static cache keeps one row (what the bench, the callback and the console decode).
 """
 
 from __future__ import annotations
@@ -73,6 +74,49 @@ class PackedHead:
         rows = hidden.reshape(-1, hidden.size(-1))
         logits = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.head.bias, "none", [], "")
         return logits.view(*hidden.shape[:-1], -1)
+
+
+class StaticRow:
+    """One sequence on an engine's static cache: ``length`` positions are valid, and ``allowed``, the additive mask row
+    of the cache's positions (0 valid, -inf not), is kept in place. A block's mask is that row per query with the
+    block's own pattern written over its columns; a rollback moves the length, never a tensor. The target's
+    ``FastDecodeState`` and a draft model's ``DraftRunner`` each keep one."""
+
+    def __init__(self, engine: "FastForward", positions: int, dtype: torch.dtype, device: torch.device):
+        self.engine, self.cache, self.length = engine, engine.new_cache(positions), 0
+        self.min = torch.finfo(dtype).min
+        self.allowed = torch.full((1, engine.cache_length), self.min, dtype=dtype, device=device)
+
+    def run(self, block, visible, position_ids, hidden: bool, rows: slice, valid=None, eager: bool = False):
+        """Feed ``block`` [1, q] after the valid positions, its tokens seeing the cache and ``visible`` [q, q] of the
+        block; ``valid`` [q] marks the entries that stay visible afterwards (all by default; a prompt's padding not).
+        Compiled blocks run padded to a power-of-two width (a pad token sees only itself and lies past the length);
+        ``eager`` (a prompt) runs as it is."""
+        q, start = block.size(1), self.length
+        width = q if eager or not self.engine.compiled else width_bucket(q)
+        if start + width > self.engine.cache_length:
+            raise ConfigError(f"a block of {q} tokens (run at width {width}) does not fit the static cache after "
+                              f"{start} positions: decode with engine=eager")
+        pattern = torch.eye(width, dtype=torch.bool, device=block.device)
+        pattern[:q, :q] = visible.to(block.device).reshape(q, q)
+        ids, position_ids = (F.pad(t, (0, width - q), value=0) for t in (block, position_ids))
+        mask = self.allowed[:, None, None, :].repeat(1, 1, width, 1)
+        mask[0, 0, :, start: start + width] = torch.where(pattern, 0.0, self.min)
+        out = self.engine(ids, mask, position_ids, hidden, rows, eager)
+        self.set_length(start + q)
+        self.allowed[:, start: start + q] = 0.0 if valid is None else torch.where(valid, 0.0, self.min)
+        return out
+
+    def set_length(self, length: int) -> None:
+        self.allowed[:, length: self.length] = self.min
+        self.length = length
+        kv.set_length(self.cache, length)
+
+    def keep_path(self, q: int, keep: list[int]) -> None:
+        """After a tree block of ``q`` entries, keep only its offsets ``keep``, moved down after the cached ones."""
+        start = self.length - q
+        kv.keep_positions(self.cache, start, keep)
+        self.set_length(start + len(keep))
 
 
 class FastForward:

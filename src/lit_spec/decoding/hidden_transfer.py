@@ -58,7 +58,7 @@ class HiddenTransferDecoder(TreeDecoder):
                 logits = state.forward(block, visible, depth, logits_at=anchors)[0]   # final states are kept
             hidden = state.hidden[0]
             step = commit_tree(state, spec.block_parents, spec.depth, real.tolist(), logits, block.size(1),
-                               self.typical)
+                               self.sampler)
             last = step.path[-1] + 1 if step.path else 0    # block index of the last accepted token
             pseudo = self.lm_head(hidden[real.numel() + last:: real.numel()][:k])   # its pseudo tokens, steps 1..k
             candidates = pseudo.topk(self.spec.top_k, dim=-1).indices

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from lit_spec.decoding.base import Decoder, register
-from lit_spec.decoding.draft import DraftRunner, check_context, check_draft
+from lit_spec.decoding.draft import DraftRunner, check_context, check_draft, draft_runner
 from lit_spec.decoding.guesses import GuessMaker
 from lit_spec.decoding.lookahead import LookaheadWindow, lookahead_step
 from lit_spec.decoding.masks import depths, from_parents
@@ -103,7 +103,7 @@ class OuroborosDecoder(Decoder):
         check_context(self.draft_model, state, self.name)
         if not self.reuse:
             self.reset()
-        runner = DraftRunner(self.draft_model)
+        runner = draft_runner(self.draft_model, state)
         prompt = state.prompt[0][state.prompt_mask[0].bool()].tolist()
         device = state.prompt.device
         state.commit([[int(state.prefill()[0].argmax(-1))]], advance=[0])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from lit_spec.decoding.base import Decoder, register
-from lit_spec.decoding.draft import DraftRunner, check_context, check_draft
+from lit_spec.decoding.draft import check_context, check_draft, draft_runner
 from lit_spec.decoding.masks import causal
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.verify import check_sampling, greedy_accept_length, logits_to_probs, speculative_accept
@@ -38,7 +38,7 @@ class SpeculativeDecoder(Decoder):
     def _decode(self, state: DecodeState) -> None:
         state.require_single_row(self.name)
         check_context(self.draft_model, state, self.name)
-        draft = DraftRunner(self.draft_model)
+        draft = draft_runner(self.draft_model, state)
         prompt = state.prompt[0][state.prompt_mask[0].bool()].tolist()
         state.commit([[self.pick(state.prefill()[0])]], advance=[0])
         device = state.pending.device

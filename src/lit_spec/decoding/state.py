@@ -17,10 +17,9 @@ from __future__ import annotations
 import inspect
 
 import torch
-import torch.nn.functional as F
 
 from lit_spec.decoding import cache as kv
-from lit_spec.decoding.fast import FastForward, width_bucket
+from lit_spec.decoding.fast import FastForward, StaticRow
 from lit_spec.decoding.masks import attention_mask, causal
 from lit_spec.decoding.stats import DecodeStats
 from lit_spec.errors import ConfigError
@@ -225,55 +224,43 @@ class DecodeState:
 
 
 class FastDecodeState(DecodeState):
-    """``DecodeState`` on the fast path (``lit_spec.decoding.fast``), one prompt at a time. The cache is the engine's
-    static one and ``length`` says how much of it is valid: a rollback moves the length, never a tensor. ``allowed``
-    is the additive mask row of the cache's positions (0 valid, -inf not), kept in place; a forward's mask is that
-    row per query with the block's own pattern written over the block's columns."""
+    """``DecodeState`` on the fast path (``lit_spec.decoding.fast``), one prompt at a time: the cache is the engine's
+    static one, followed by a ``StaticRow``."""
 
     def __init__(self, engine: FastForward, model, input_ids, attention_mask_2d, max_new_tokens, eos_token_id,
                  record_hidden=False):
         self.engine = engine
         super().__init__(model, input_ids, attention_mask_2d, max_new_tokens, eos_token_id, record_hidden)
         self.require_single_row("engine=" + ("compiled" if engine.compiled else "static"))
-        self.length = 0
-        self.min = torch.finfo(self.dtype).min
-        self.allowed = torch.full((1, engine.cache_length), self.min, dtype=self.dtype, device=input_ids.device)
 
     def _new_cache(self):
-        return self.engine.new_cache(self.engine.positions(self.prompt.size(1), self.max_new_tokens))
+        self.row = StaticRow(self.engine, self.engine.positions(self.prompt.size(1), self.max_new_tokens),
+                             next(self.model.parameters()).dtype, self.prompt.device)
+        return self.row.cache
+
+    @property
+    def length(self) -> int:
+        return self.row.length
 
     @torch.no_grad()
     def prefill(self) -> torch.Tensor:
         n = self.prompt.size(1)
-        valid = self.prompt_mask.bool()
-        self.allowed[:, :n] = torch.where(valid, 0.0, self.min)
+        valid = self.prompt_mask[0].bool()
         # a padding row sees itself, so that no row of the softmax is empty (its output is never read)
         visible = causal(n, self.prompt.device) & (valid | torch.eye(n, dtype=torch.bool, device=valid.device))
         with self.stats.timed("forward_time", self.prompt.device):
-            out = self.engine(self.prompt, self._mask(n, 0, visible), self.prompt_positions(), bool(self.record_hidden),
-                              slice(n - 1, n), eager=True)
+            out = self.row.run(self.prompt, visible, self.prompt_positions(), bool(self.record_hidden),
+                               slice(n - 1, n), valid=valid, eager=True)
         self._record_hidden(out, n)
-        self.length = n
         return out.logits[:, -1]
 
     @torch.no_grad()
     def forward(self, block, visible, depth=None, logits_at=None) -> torch.Tensor:
-        q, start = block.size(1), self.length
-        width = width_bucket(q)
-        if start + width > self.engine.cache_length:
-            raise ConfigError(f"a block of {q} tokens (run at width {width}) does not fit the static cache after "
-                              f"{start} positions: decode with engine=eager")
-        pattern = torch.eye(width, dtype=torch.bool, device=block.device)    # a pad token sees only itself
-        pattern[:q, :q] = visible.to(block.device).reshape(q, q)
+        q = block.size(1)
         if depth is None:
             depth = torch.arange(q, device=block.device)
-        position_ids = self.next_pos[:, None] + depth
-        ids, position_ids = (F.pad(t, (0, width - q), value=0) for t in (block, position_ids))
         with self.stats.timed("forward_time", block.device):
-            out = self.engine(ids, self._mask(width, start, pattern), position_ids, bool(self.record_hidden),
-                              slice(0, q))
-        self._set_length(start + q)             # the pads' entries lie past the length: masked, then overwritten
-        self.allowed[:, start: start + q] = 0.0
+            out = self.row.run(block, visible, self.next_pos[:, None] + depth, bool(self.record_hidden), slice(0, q))
         self._record_hidden(out, q)
         logits = out.logits[:, :q]
         return logits if logits_at is None else logits[:, logits_at.to(logits.device)]
@@ -281,23 +268,10 @@ class FastDecodeState(DecodeState):
     def forward_next(self) -> torch.Tensor:
         return self.forward(self.pending[:, None], causal(1, self.pending.device))[:, -1]
 
-    def _mask(self, width: int, start: int, pattern: torch.Tensor) -> torch.Tensor:
-        """[1, 1, width, cache length]: the cache's row for every query, the block's ``pattern`` over its columns."""
-        mask = self.allowed[:, None, None, :].repeat(1, 1, width, 1)
-        mask[0, 0, :, start: start + width] = torch.where(pattern, 0.0, self.min)
-        return mask
-
-    def _set_length(self, length: int) -> None:
-        self.allowed[:, length: self.length] = self.min
-        self.length = length
-        kv.set_length(self.cache, length)
-
     def keep_prefix(self, q: int, kept: list[int]) -> None:
-        self._set_length(self.length - q + kept[0])
+        self.row.set_length(self.length - q + kept[0])
 
     def keep_path(self, q: int, keep: list[int]) -> None:
-        start = self.length - q
-        kv.keep_positions(self.cache, start, keep)
+        self.row.keep_path(q, keep)
         if self.hidden is not None:
             self.hidden = self.hidden[:, keep]
-        self._set_length(start + len(keep))

@@ -10,7 +10,8 @@ positions after the pending token, their top-k candidate tokens; ``TreeSpec`` sa
 - ``verify_tree(state, spec, tokens)``: one forward of [pending token + nodes] (``masks.from_parents``, positions
   by depth), acceptance of the longest root-to-node path plus the target's next token; the accepted path's KV
   entries are kept (``DecodeState.keep_path``), the rest dropped; commits. Greedy (temperature 0, lossless: every
-  node must equal the target's argmax) or typical acceptance (temperature > 0, ``verify.TypicalAcceptance``).
+  node must equal the target's argmax); at temperature > 0 rejection sampling over the tree (lossless,
+  ``verify.RejectionSampling``), or typical acceptance (``acceptance=typical``, lossy: ``verify.TypicalAcceptance``).
 
 The registered decoder takes its candidates from a ``draft_model`` (top-k at each step of the draft's greedy path:
 no training needed), or from any ``candidates(state, depth, k) -> [depth, k]`` function. Batch size 1.
@@ -25,13 +26,33 @@ from typing import Callable, NamedTuple
 import torch
 
 from lit_spec.decoding.base import Decoder, register
-from lit_spec.decoding.draft import DraftRunner, check_context, check_draft
+from lit_spec.decoding.draft import check_context, check_draft, draft_runner
 from lit_spec.decoding.masks import from_parents
 from lit_spec.decoding.state import DecodeState
-from lit_spec.decoding.verify import TypicalAcceptance, check_sampling, greedy_tree_accepts, tree_accept_path
+from lit_spec.decoding.verify import (RejectionSampling, TypicalAcceptance, check_sampling, greedy_tree_accepts,
+                                      tree_accept_path)
 from lit_spec.errors import ConfigError
 
 Candidates = Callable[[DecodeState, int, int], torch.Tensor]
+Sampler = RejectionSampling | TypicalAcceptance
+ACCEPTANCE = ("rejection", "typical")
+
+
+def tree_sampler(temperature: float, top_p: float, top_k: int, acceptance: str, posterior_threshold: float,
+                 posterior_alpha: float, seed: int | None, device) -> Sampler | None:
+    """How a tree decoder accepts at ``temperature``: greedily at 0 (None); rejection sampling (lossless) or, with
+    ``acceptance=typical``, Medusa's typical acceptance (lossy: no top-k / top-p)."""
+    check_sampling(temperature, top_p)
+    if acceptance not in ACCEPTANCE:
+        raise ConfigError(f"acceptance={acceptance!r}: choose one of {ACCEPTANCE}")
+    if temperature == 0:
+        return None
+    if acceptance == "rejection":
+        return RejectionSampling(temperature, top_p, top_k, seed, device)
+    if top_p != 1.0 or top_k:
+        raise ConfigError("acceptance=typical samples the target at its temperature only: drop top_p / top_k, or "
+                          "use acceptance=rejection")
+    return TypicalAcceptance(temperature, posterior_threshold, posterior_alpha, seed, device)
 
 
 @dataclass(frozen=True)
@@ -153,29 +174,27 @@ class TreeStep(NamedTuple):
 
 @torch.no_grad()
 def verify_tree(state: DecodeState, spec: TreeSpec, tree_tokens: torch.Tensor,
-                typical: TypicalAcceptance | None = None) -> TreeStep:
+                sampler: Sampler | None = None) -> TreeStep:
     """One target forward of [pending token + ``tree_tokens``] (batch size 1); keeps the accepted path's KV, commits
     its tokens plus the target's next one, and counts drafted (tree depth) / accepted tokens. Greedy acceptance
-    unless ``typical`` is given."""
+    unless a ``sampler`` is given."""
     device = state.pending.device
     block = torch.cat([state.pending[:1], tree_tokens.to(device)])[None]
     logits = state.forward(block, spec.block_visible.to(device), spec.block_depths.to(device))[0]
-    return commit_tree(state, spec.block_parents, spec.depth, block[0].tolist(), logits, block.size(1), typical)
+    return commit_tree(state, spec.block_parents, spec.depth, block[0].tolist(), logits, block.size(1), sampler)
 
 
 def commit_tree(state: DecodeState, parents: list[int], drafted: int, tokens: list[int], logits: torch.Tensor,
-                fed: int, typical: TypicalAcceptance | None = None) -> TreeStep:
+                fed: int, sampler: Sampler | None = None) -> TreeStep:
     """Acceptance over a verified tree: ``tokens`` [pending + nodes] with their ``parents`` in the block (the pending
     token the root) and their ``logits`` from the forward that fed ``fed`` tokens (the tree first; anything after it
     is dropped from the cache with the rejected nodes). ``drafted``: the tree's depth, for the counters."""
-    if typical is None:
+    if sampler is None:
         target = logits[: len(tokens)].argmax(-1).tolist()
         path = tree_accept_path(parents, greedy_tree_accepts(parents, tokens, target))
         extra = target[path[-1] if path else 0]
     else:
-        probs = typical.probs(logits[: len(tokens)])
-        path = tree_accept_path(parents, typical.accepts(probs, parents, tokens))
-        extra = typical.sample(probs[path[-1] if path else 0])
+        path, extra = sampler.choose(parents, tokens, logits)
     committed = [tokens[i] for i in path] + [extra]
     state.keep_path(fed, [0] + path)
     state.commit([committed], advance=[len(path) + 1], drafted=[drafted])
@@ -185,8 +204,8 @@ def commit_tree(state: DecodeState, parents: list[int], drafted: int, tokens: li
 class DraftCandidates:
     """Top-k candidates without training: run the draft along its greedy path and take its top-k at each step."""
 
-    def __init__(self, draft_model):
-        self.runner = DraftRunner(draft_model)
+    def __init__(self, draft_model, state: DecodeState):
+        self.runner = draft_runner(draft_model, state)
         self.prompt: list[int] | None = None
 
     def __call__(self, state: DecodeState, depth: int, k: int) -> torch.Tensor:
@@ -204,12 +223,13 @@ class TreeDecoder(Decoder):
     needs_draft = True   # candidates from ``draft_model`` unless given; subclasses with their own source say False
 
     def __init__(self, model, tree=(3, 2, 1, 1), draft_model=None, candidates: Candidates | None = None,
-                 temperature: float = 0.0, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
-                 seed: int | None = None, **kwargs):
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, acceptance: str = "rejection",
+                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, seed: int | None = None, **kwargs):
+        """At ``temperature`` > 0: ``acceptance=rejection`` (lossless, with ``top_p`` / ``top_k``) or ``typical``
+        (Medusa's, lossy, with ``posterior_threshold`` ε and ``posterior_alpha`` δ)."""
         super().__init__(model, **kwargs)
-        check_sampling(temperature)
-        self.typical = None if temperature == 0 else TypicalAcceptance(
-            temperature, posterior_threshold, posterior_alpha, seed, model.device)
+        self.sampler = tree_sampler(temperature, top_p, top_k, acceptance, posterior_threshold, posterior_alpha,
+                                    seed, model.device)
         if candidates is None and self.needs_draft:
             check_draft(model, draft_model, "tree")
         self.spec = TreeSpec.parse(tree)
@@ -220,12 +240,12 @@ class TreeDecoder(Decoder):
         if self.candidates is not None:
             return self.candidates
         check_context(self.draft_model, state, self.name)
-        return DraftCandidates(self.draft_model)
+        return DraftCandidates(self.draft_model, state)
 
     def commit_first(self, state: DecodeState) -> None:
         """The prefill and the target's first token (argmax, or sampled at the temperature)."""
         first = state.prefill()[0]
-        first = int(first.argmax(-1)) if self.typical is None else self.typical.sample(self.typical.probs(first))
+        first = int(first.argmax(-1)) if self.sampler is None else self.sampler.sample(self.sampler.probs(first))
         state.commit([[first]], advance=[0])
 
     def spec_for(self, state: DecodeState) -> TreeSpec:
@@ -241,4 +261,4 @@ class TreeDecoder(Decoder):
             spec = self.spec_for(state)
             top_k = candidates(state, spec.depth, spec.top_k) if len(spec) else None
             verify_tree(state, spec, spec.build_candidates(top_k) if top_k is not None
-                        else state.pending.new_empty(0), self.typical)
+                        else state.pending.new_empty(0), self.sampler)

@@ -43,8 +43,12 @@ def require_greedy(method: str, temperature) -> None:
         raise ConfigError(f"{method}: temperature={temperature}; {method} decoding here is greedy only (temperature 0)")
 
 
-def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """Softmax at ``temperature`` with optional nucleus (top-p) truncation, over the last dimension."""
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """Softmax at ``temperature`` with optional top-k then nucleus (top-p) truncation, over the last dimension (the
+    order of transformers' warpers)."""
+    if 0 < top_k < logits.size(-1):
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -108,6 +112,56 @@ def greedy_tree_accepts(parents: list[int], tokens: list[int], target_tokens: li
     return [False] + [tokens[i] == target_tokens[parents[i]] for i in range(1, len(parents))]
 
 
+class RejectionSampling:
+    """Lossless sampling over a verified token tree (a chain is a tree too) whose candidates were chosen, not sampled
+    (top-k of a draft or heads, n-gram matches): each candidate is a point-mass draft. From the root, the children of
+    the last accepted node are tried in order; child x is accepted with probability r(x), r starting as the target's
+    distribution at the node (temperature, top-k, top-p), and on a rejection r loses x and is renormalised. When no
+    child is accepted the next token is drawn from what r has left; after an accepted leaf, from the target at it.
+    This is SpecInfer's multi-step speculative sampling (Miao et al. 2024, §4.2, Algorithm 2) with Q a point mass
+    at each candidate (min(1, r(x)/1) = r(x); norm(max(0, r - δx)) = r without x), the rule vLLM applies to n-gram
+    drafts: every committed token keeps the target's distribution exactly."""
+
+    lossless = True
+
+    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 device: torch.device | str = "cpu"):
+        self.temperature, self.top_p = check_sampling(temperature, top_p)
+        if self.temperature == 0:
+            raise ConfigError("rejection sampling needs temperature > 0 (0 is greedy)")
+        self.top_k = int(top_k)
+        self.generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits_to_probs(logits, self.temperature, self.top_p, self.top_k)
+
+    def sample(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def choose(self, parents: list[int], tokens: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
+        """The accepted path (block positions, root excluded) and the token after it, for ``tokens`` [root + nodes]
+        with their block ``parents`` and the target's ``logits`` [>= len(tokens), V] at each."""
+        probs = self.probs(logits[: len(tokens)])
+        uniforms = torch.rand(len(tokens), generator=self.generator, device=probs.device).tolist()
+        children: dict[int, list[int]] = {}
+        for i in range(1, len(tokens)):
+            children.setdefault(parents[i], []).append(i)
+        node, path = 0, []
+        while True:
+            residual = probs[node]
+            for child in children.get(node, ()):
+                x = tokens[child]
+                if uniforms[child] < float(residual[x]):
+                    path.append(child)
+                    node = child
+                    break
+                residual = residual.clone()
+                residual[x] = 0.0
+                residual = residual / residual.sum()
+            else:
+                return path, self.sample(residual)
+
+
 class TypicalAcceptance:
     """Typical acceptance (Medusa, Cai et al. 2024, §2.3.1; Chimera §4.3 with T = 1): a candidate x is accepted
     where the target, at ``temperature``, gives it p(x) > min(epsilon, delta · exp(-H(p))) — confident target
@@ -115,6 +169,8 @@ class TypicalAcceptance:
     is sampled from the target at ``temperature``. Unlike rejection sampling this does not keep the target's
     distribution exactly; it trades that for longer accepted paths. Defaults are Medusa's (epsilon 0.09,
     delta = sqrt(epsilon) = 0.3)."""
+
+    lossless = False
 
     def __init__(self, temperature: float, epsilon: float = 0.09, delta: float = 0.3, seed: int | None = None,
                  device: torch.device | str = "cpu"):
@@ -138,3 +194,9 @@ class TypicalAcceptance:
 
     def sample(self, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def choose(self, parents: list[int], tokens: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
+        """The longest path whose nodes all pass the typical test, and a token sampled after it."""
+        probs = self.probs(logits[: len(tokens)])
+        path = tree_accept_path(parents, self.accepts(probs, parents, tokens))
+        return path, self.sample(probs[path[-1] if path else 0])
