@@ -25,8 +25,8 @@ from lit_spec.decoding.fast import ENGINES
 from lit_spec.drift import HELDOUT, check_drift_data, compare_answers, compare_nll, drift_records
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json, write_text
-from lit_spec.measure import (HFPeer, bandwidth_limit, build_decoders, compare, decode_prompts, fast_engines, reserve_fast_caches,
-                              vllm_peer_runs, warm_up)
+from lit_spec.measure import (HFPeer, bandwidth_limit, build_decoders, compare, decode_prompts, fast_engines,
+                              reserve_fast_caches, vllm_peer_runs, warm_up)
 from lit_spec.precision import export_dtype
 from lit_spec.serving.vllm_runner import require_vllm
 from lit_spec.stages import ensure_stages

@@ -89,7 +89,8 @@ class DraftRunner:
                                slice(0, q), eager=start == 0)      # the prompt runs eager, as the target's does
             logits = out.logits[0, rows]
         else:
-            out = self.model(input_ids=block, position_ids=positions[None], attention_mask=self._mask(start, len(tokens), visible),
+            out = self.model(input_ids=block, position_ids=positions[None],
+                             attention_mask=self._mask(start, len(tokens), visible),
                              **kv.cache_argument(self.model, self.cache), use_cache=True,
                              **({"logits_to_keep": rows} if self.selects_logits else {}))
             logits = out.logits[0] if self.selects_logits else out.logits[0, rows]
