@@ -93,7 +93,7 @@ def test_bench_runs_in_the_model_configs_dtype(micro_dirs, tmp_path, monkeypatch
 
 
 def test_bench_samples_every_runner_at_a_temperature(micro_dirs, tmp_path):
-    """bench.temperature > 0: our AR, the tree decoder (typical acceptance) and transformers' generate all sample,
+    """bench.temperature > 0: our AR, the tree decoder (rejection sampling) and transformers' generate all sample,
     so their tokens/s compare like with like; exact match (a greedy check) is not reported."""
     cfg = bench_config(tmp_path, *micro_dirs, "decoding=[tree]", "bench.temperature=0.8",
                        "bench.hf_peers=[generate]")
