@@ -295,7 +295,8 @@ def write_report(results: dict, out_dir: Path) -> None:
         + f", max_new_tokens={results['max_new_tokens']}, "
         f"temperature={results['temperature']}, device {results['device']}, {results['dtype']}, "
         f"model `{results['model']}`\n\n"
-        + _limit_line(results) + markdown_table(results) + ("\nsampled AR answers: " if results["temperature"] else "\ngreedy answers: ")
+        + _limit_line(results) + markdown_table(results)
+        + ("\nsampled AR answers: " if results["temperature"] else "\ngreedy answers: ")
         + ", ".join(f"{k} {v:.3f}" for k, v in results["quality"].items()) + "\n"
         + (f"\nanswers executed with isolation: {results['execution_isolation']}\n"
            if results.get("execution_isolation") else "")

@@ -60,8 +60,7 @@ class PackedHead:
         logits are its head's output alone, or no oneDNN)."""
         head = model.get_output_embeddings()
         plain = model.config.model_type in PLAIN_HEADS and type(head) is torch.nn.Linear
-        weight = getattr(head, "weight", None)
-        if plain and weight.device.type == "cpu" and weight.dtype == torch.float32 and \
+        if plain and head.weight.device.type == "cpu" and head.weight.dtype == torch.float32 and \
                 torch.backends.mkldnn.is_available():
             return cls(head)
         return None

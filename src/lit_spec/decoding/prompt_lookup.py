@@ -17,7 +17,7 @@ from lit_spec.decoding.base import Decoder, register
 from lit_spec.decoding.masks import causal
 from lit_spec.decoding.phrases import ngram_continuation
 from lit_spec.decoding.state import DecodeState
-from lit_spec.decoding.verify import RejectionSampling, check_sampling, greedy_accept_length
+from lit_spec.decoding.verify import RejectionSampling, check_sampling, draw, greedy_accept_length
 from lit_spec.errors import ConfigError, check_count
 
 
@@ -38,7 +38,7 @@ class PromptLookupDecoder(Decoder):
     def _decode(self, state: DecodeState) -> None:
         state.require_single_row(self.name)
         prompt = state.prompt[0][state.prompt_mask[0].bool()].tolist()
-        state.commit([[self.first_token(state.prefill()[0])]], advance=[0])
+        state.commit([[draw(self.sampler, state.prefill()[0])]], advance=[0])
         device = state.pending.device
         while not state.finished:
             out = state.out[0]
@@ -56,6 +56,3 @@ class PromptLookupDecoder(Decoder):
                 n = len(path)
             state.keep_prefix(q, [n + 1])
             state.commit([drafts[:n] + [extra]], advance=[n + 1], drafted=[len(drafts)])
-
-    def first_token(self, logits: torch.Tensor) -> int:
-        return int(logits.argmax(-1)) if self.sampler is None else self.sampler.sample(self.sampler.probs(logits))

@@ -29,8 +29,8 @@ from lit_spec.decoding.base import Decoder, register
 from lit_spec.decoding.draft import check_context, check_draft, draft_runner
 from lit_spec.decoding.masks import from_parents
 from lit_spec.decoding.state import DecodeState
-from lit_spec.decoding.verify import (RejectionSampling, TypicalAcceptance, check_sampling, greedy_tree_accepts,
-                                      tree_accept_path)
+from lit_spec.decoding.verify import (RejectionSampling, TypicalAcceptance, check_sampling, draw,
+                                      greedy_tree_accepts, tree_accept_path)
 from lit_spec.errors import ConfigError
 
 Candidates = Callable[[DecodeState, int, int], torch.Tensor]
@@ -244,9 +244,7 @@ class TreeDecoder(Decoder):
 
     def commit_first(self, state: DecodeState) -> None:
         """The prefill and the target's first token (argmax, or sampled at the temperature)."""
-        first = state.prefill()[0]
-        first = int(first.argmax(-1)) if self.sampler is None else self.sampler.sample(self.sampler.probs(first))
-        state.commit([[first]], advance=[0])
+        state.commit([[draw(self.sampler, state.prefill()[0])]], advance=[0])
 
     def spec_for(self, state: DecodeState) -> TreeSpec:
         """The tree, cut to the tokens still to decode (a path longer than that could not be committed)."""

@@ -112,6 +112,12 @@ def greedy_tree_accepts(parents: list[int], tokens: list[int], target_tokens: li
     return [False] + [tokens[i] == target_tokens[parents[i]] for i in range(1, len(parents))]
 
 
+def draw(sampler: "RejectionSampling | TypicalAcceptance | None", logits: torch.Tensor) -> int:
+    """The token a decoder commits from ``logits`` [V] with no draft to verify: the argmax when greedy (no sampler),
+    else a sample from the target's sampling distribution."""
+    return int(logits.argmax(-1)) if sampler is None else sampler.sample(sampler.probs(logits))
+
+
 class RejectionSampling:
     """Lossless sampling over a verified token tree (a chain is a tree too) whose candidates were chosen, not sampled
     (top-k of a draft or heads, n-gram matches): each candidate is a point-mass draft. From the root, the children of
