@@ -142,8 +142,10 @@ def test_bench_rejects_bad_settings_before_decoding(micro_dirs, tmp_path):
         run_benchmark(bench_config(tmp_path, target, None, "+decoding.spec.method=ar",
                                    "+decoding.spec.needs_draft=true", "bench.hf_peers=[]"), tmp_path)
     peers = "bench.vllm_peers={vllm: null}"
-    with pytest.raises(ConfigError, match="vLLM's CPU build, greedy"):
-        run_benchmark(bench_config(tmp_path, target, None, peers, "bench.temperature=0.7"), tmp_path)
+    with pytest.raises(ConfigError, match="vLLM's CPU build"):
+        run_benchmark(bench_config(tmp_path, target, None, peers, "bench.device=cuda"), tmp_path)
+    with pytest.raises(ConfigError, match="bench.top_p=0"):
+        run_benchmark(bench_config(tmp_path, target, None, "bench.temperature=0.7", "bench.top_p=0"), tmp_path)
 
 
 def test_a_vllm_peer_without_vllm_installed_says_how_to_install_it(micro_dirs, tmp_path, monkeypatch):

@@ -246,7 +246,7 @@ def test_bad_input_is_a_config_error(models):
     ids, _ = random_prompts(1, [4])
     cases = [({"n_tokens": 0}, "n_tokens"), ({"n_tokens": -3}, "n_tokens"), ({"n_tokens": 2.5}, "n_tokens"),
              ({"n_tokens": True}, "n_tokens"), ({"init": "zeros"}, "init"), ({"init_token": 96}, "init_token"),
-             ({"temperature": 0.7}, "temperature"), ({"seed": "x"}, "seed")]
+             ({"temperature": 0.7}, "greedy by definition"), ({"seed": "x"}, "seed")]
     for params, name in cases:
         with pytest.raises(ConfigError, match=name):
             generate(model, ids, "jacobi", max_new_tokens=4, **params)

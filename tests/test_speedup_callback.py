@@ -25,8 +25,8 @@ SPEEDUP = ["callbacks=speedup", "callbacks.speedup.num_prompts=2", "callbacks.sp
 class JacobiAR(ARModule):
     """An AR module that offers a Jacobi decoder, as CLLM's will (built from the config: ``method._target_=...``)."""
 
-    def decoders(self):
-        return {"jacobi": JacobiDecoder(self.model, n_tokens=4)}
+    def decoders(self, **sampling):
+        return {} if sampling else {"jacobi": JacobiDecoder(self.model, n_tokens=4)}
 
 
 class Grab(L.Callback):
@@ -197,6 +197,23 @@ def test_the_fast_engine_measures_what_eager_measures_as_the_model_trains(traine
     assert compiled[0] > 0 and compiled[-1] == 0.0 if engine == "compiled" else compiled == [None] * 3
 
 
+def test_sampled_measurements_beside_the_greedy_ones(trained, tmp_path):
+    """``callbacks.speedup.temperatures=[0,1]``: AR and every decoder that samples decode again at T = 1 (lookahead,
+    losslessly), logged as NAME@T1 against sampled AR, without exact match; the greedy-only Jacobi decoder is not;
+    the greedy figures are those of a greedy-only run."""
+    _, greedy, _, _ = trained
+    callback = _run(tmp_path / "run", "method._target_=test_speedup_callback.JacobiAR", "data.metric=exact_match",
+                    "callbacks.speedup.drift_data=null", "callbacks.speedup.temperatures=[0,1]",
+                    "callbacks.speedup.extra_decoders={lookahead: {window: 3, ngram: 3, guesses: 3}}")
+    same = ("mean_accepted/jacobi", "mean_accepted/lookahead", "exact_match/lookahead", "quality/agreement")
+    for (step, m), (_, g) in zip(callback.history, greedy.history):
+        assert {k: m[k] for k in same} == {k: g[k] for k in same}, step
+        assert m["tokens_per_s/ar@T1"] > 0 and m["mean_accepted/lookahead@T1"] >= 1.0
+        assert m["speedup/lookahead@T1"] == pytest.approx(m["tokens_per_s/lookahead@T1"] / m["tokens_per_s/ar@T1"])
+        assert "quality/exact_match/lookahead@T1" in m
+        assert not any(k.endswith("jacobi@T1") or k.startswith("exact_match/") and k.endswith("@T1") for k in m)
+
+
 def test_original_nll_is_measured_before_the_first_step_without_a_measurement_there(tmp_path):
     """at_train_start=false still takes the original's outputs and NLL before the first step; drift_data=null: the
     held-out answers only."""
@@ -222,6 +239,9 @@ def test_unknown_extra_decoder_fails_before_training(tmp_path):
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=FSDPStrategy(), logger=False)
     with pytest.raises(ConfigError, match="engine=compiled: under FSDPStrategy .* use engine=eager"):
         SpeedupCallback(engine="compiled").setup(trainer, None, "fit")     # its checks read no module
+    for temperatures in ([0.7], [0, -1], 0.7):
+        with pytest.raises(ConfigError, match="callbacks.speedup.temperatures=.*includes 0"):
+            SpeedupCallback(temperatures=temperatures).setup(trainer, None, "fit")
     cfg = make_config(tmp_path / "run3", [*MICRO_RUN, *SPEEDUP, "+callbacks.speedup.drift_data.code=humaneal"])
     with pytest.raises(ConfigError, match="callbacks.speedup.drift_data.code='humaneal': no data config of that "
                                           "name; choose one of .*'humaneval'"):

@@ -1,8 +1,9 @@
 """The benchmark behind ``python -m lit_spec.bench``: the same prompts, decoded one at a time by our AR baseline, the
 chosen methods and transformers' own ``generate`` peers, with warm-up; tokens/s, speedup vs our AR, τ, forwards and
 exact match (token-identical to our greedy AR) per method, written as bench.json, bench.md and bench.png. At
-``bench.temperature`` > 0 every runner samples at that temperature (our AR and transformers' peers included, so
-tokens/s compare like with like) and exact match is not reported. With ``model@original=NAME`` (the model the
+``bench.temperature`` > 0 (and ``bench.top_p``) every runner samples (our AR, transformers' and vLLM's peers
+included, so tokens/s compare like with like), exact match is not reported, and a decoder whose rule changes the
+target's distribution (``acceptance=typical``) is marked lossy. With ``model@original=NAME`` (the model the
 benchmarked one was trained from) a drift section (``lit_spec.drift``) says how far training moved it: the answer NLL
 of the bench prompts' dataset answers and of the ``bench.drift_data`` sets under both models, and how many of the
 original's greedy answers on the bench prompts are unchanged."""
@@ -93,7 +94,7 @@ def chosen_decoders(decoding: DictConfig | None) -> dict[str, dict]:
 def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
     """Name -> runner: our AR first, then the methods of the ``decoding`` group, then transformers' peers."""
     bench, pad = cfg.bench, tokenizer.pad_token_id
-    sampling = {"temperature": bench.temperature, "seed": cfg.seed} if bench.temperature > 0 else {}
+    sampling = sampling_of(cfg)
     specs = {"ar": {}, **chosen_decoders(cfg.get("decoding"))}
     engines = list(bench.engines)
     # eager AR is the baseline of every speedup: it runs whatever engines are chosen
@@ -106,10 +107,21 @@ def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
     for mode in bench.hf_peers or []:
         if mode == "assisted" and draft is None:
             continue
-        peer = HFPeer(mode, model, draft, pad, bench.temperature, bench.assistant_tokens, bench.prompt_lookup_tokens,
-                      bench.prompt_lookup_ngram)
+        peer = HFPeer(mode, model, draft, pad, bench.temperature, bench.top_p, bench.assistant_tokens,
+                      bench.prompt_lookup_tokens, bench.prompt_lookup_ngram)
         runners[peer.name] = peer
     return runners
+
+
+def sampling_of(cfg: DictConfig) -> dict:
+    """The sampling settings every runner gets: none when greedy."""
+    bench = cfg.bench
+    return {"temperature": bench.temperature, "top_p": bench.top_p, "seed": cfg.seed} if bench.temperature > 0 else {}
+
+
+def lossy(runner) -> bool:
+    """A decoder whose sampling rule changes the target's distribution (``acceptance=typical``)."""
+    return not getattr(getattr(runner, "sampler", None), "lossless", True)
 
 
 def check_bench(cfg: DictConfig) -> dict[str, str]:
@@ -124,9 +136,11 @@ def check_bench(cfg: DictConfig) -> dict[str, str]:
     check_count("bench.num_prompts", bench.num_prompts)
     check_count("bench.max_new_tokens", bench.max_new_tokens)
     check_count("bench.warmup_prompts", bench.warmup_prompts, minimum=0)
-    temperature = bench.temperature
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ConfigError(f"bench.temperature={temperature!r}: a number >= 0 (0: greedy)")
+    for key, low in (("temperature", "a number >= 0 (0: greedy)"), ("top_p", "a number in (0, 1] (1: no top-p)")):
+        value = bench.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (key == "top_p" and not
+                                                                                          0 < value <= 1):
+            raise ConfigError(f"bench.{key}={value!r}: {low}")
     engines = bench.get("engines")
     if not engines or isinstance(engines, str) or any(e not in ENGINES for e in engines):
         raise ConfigError(f"bench.engines={engines!r}: a list of decoding engines from {list(ENGINES)}, e.g. "
@@ -136,9 +150,9 @@ def check_bench(cfg: DictConfig) -> dict[str, str]:
     if bench.get("metric") is not None:
         get_metric(bench.metric)  # an unknown name fails here
     if bench.get("vllm_peers"):
-        if bench.device == "cuda" or bench.temperature:
-            raise ConfigError("bench.vllm_peers: vLLM's CPU build, greedy: set bench.device=cpu (or auto on a CPU "
-                              "machine) and bench.temperature=0, or bench.vllm_peers=null")
+        if bench.device == "cuda":
+            raise ConfigError("bench.vllm_peers: vLLM's CPU build: set bench.device=cpu (or auto on a CPU machine), "
+                              "or bench.vllm_peers=null")
         require_vllm()
     return {} if cfg.get("original") is None else check_drift_data(bench.get("drift_data"), "bench.drift_data")
 
@@ -160,7 +174,7 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     # vLLM first, in processes of its own: a run it cannot start fails the bench before our decodes, not after
     peer_runs = vllm_peer_runs(OmegaConf.to_container(cfg.bench.vllm_peers, resolve=True), spec.name_or_path,
                                str(export_dtype("auto", spec)).removeprefix("torch."), prompts, max_new,
-                               eos) if cfg.bench.vllm_peers else {}
+                               eos, sampling_of(cfg)) if cfg.bench.vllm_peers else {}
     runners = build_runners(cfg, model, draft, tokenizer)
     reserve_fast_caches(runners, [p.size(1) for p in prompts], max_new)
     warm_up(runners, prompts[: cfg.bench.warmup_prompts], max_new, eos)
@@ -174,8 +188,9 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     limit = bandwidth_limit(model, [p.size(1) for p in prompts], max_new)
     # sampled outputs differ by chance: token identity is a greedy (temperature 0) check only
     methods = compare(runs, "ar", exact=not cfg.bench.temperature, reference="hf_generate")
-    for m in methods.values():
+    for name, m in methods.items():
         m["bandwidth_share"] = m["tokens_per_s"] / limit["tokens_per_s"]
+        m["lossless"] = not (cfg.bench.temperature and lossy(runners.get(name)))
     results = {"model": spec.name_or_path, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
                "num_prompts": len(prompts), "num_prompts_asked": cfg.bench.num_prompts, "max_new_tokens": max_new,
                "temperature": cfg.bench.temperature, "methods": methods, "compile_seconds": compile_seconds(runners),
@@ -242,8 +257,8 @@ def markdown_table(results: dict) -> str:
     metric = results.get("metric")
     columns = COLUMNS + ([(metric, lambda m: _fmt(m[metric], ".3f"))] if metric else [])
     head = "| method | " + " | ".join(h for h, _ in columns) + " |\n|" + "---|" * (len(columns) + 1) + "\n"
-    rows = ["| " + " | ".join([name, *(cell(m) for _, cell in columns)]) + " |"
-            for name, m in results["methods"].items()]
+    rows = ["| " + " | ".join([name + ("" if m.get("lossless", True) else " (lossy)"),
+                               *(cell(m) for _, cell in columns)]) + " |" for name, m in results["methods"].items()]
     return head + "\n".join(rows) + "\n"
 
 

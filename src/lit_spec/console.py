@@ -85,9 +85,11 @@ def _figures(first: dict, last: dict, prompts: int) -> list[str]:
         exact = last.get(f"exact_match/{name}")
         verdict = ("not faster than AR" if last[key] <= 1 else
                    "faster than AR, same output" if exact == 1.0 else "faster than AR")
+        # sampled (NAME@T<t>): no exact match to show
+        shown = "" if exact is None else \
+            f", exact {_change(first, last, f'exact_match/{name}', lambda v: _share(v, prompts))}"
         lines.append(f"  {name}: τ {_change(first, last, f'mean_accepted/{name}', '{:.2f}'.format)}, speedup "
-                     f"{_change(first, last, key, '{:.2f}×'.format)}, exact "
-                     f"{_change(first, last, f'exact_match/{name}', lambda v: _share(v, prompts))}: {verdict}")
+                     f"{_change(first, last, key, '{:.2f}×'.format)}{shown}: {verdict}")
     quality = sorted(k for k in last if k.startswith("quality/") and k.count("/") == 1)
     if quality:
         lines.append("  quality: " + ", ".join(f"{k.split('/', 1)[1]} {_change(first, last, k, '{:.2f}'.format)}"

@@ -65,13 +65,14 @@ class HFPeer:
     """transformers' ``generate`` in one of its modes (``HF_PEERS``), timed like our decoders (tokens, wall time)."""
 
     def __init__(self, mode: str, model, draft=None, pad_token_id: int | None = None, temperature: float = 0.0,
-                 assistant_tokens: int = 4, prompt_lookup_tokens: int = 10, prompt_lookup_ngram: int = 2):
+                 top_p: float = 1.0, assistant_tokens: int = 4, prompt_lookup_tokens: int = 10,
+                 prompt_lookup_ngram: int = 2):
         if mode not in HF_PEERS:
             raise ConfigError(f"bench.hf_peers: unknown {mode!r}; choose from {sorted(HF_PEERS)}")
         self.name, self.model = HF_PEERS[mode], model
         self.kwargs = {"do_sample": temperature > 0, "pad_token_id": pad_token_id}
         if temperature > 0:
-            self.kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
+            self.kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
         if mode == "assisted":
             if draft is None:
                 raise ConfigError("bench.hf_peers has 'assisted' but no draft model is configured (draft=null)")
@@ -99,8 +100,9 @@ class HFPeer:
 
 
 def vllm_peer_runs(peers: dict[str, dict | None], model: str, dtype: str, prompts: list[torch.Tensor],
-                   max_new_tokens: int, eos) -> dict[str, "Run"]:
-    """vLLM (``lit_spec.serving.vllm_runner``) on the same prompt ids, one prompt at a time, greedy: ``{name:
+                   max_new_tokens: int, eos, sampling: dict | None = None) -> dict[str, "Run"]:
+    """vLLM (``lit_spec.serving.vllm_runner``) on the same prompt ids, one prompt at a time, greedy or ``sampling``
+    (temperature, top_p, seed): ``{name:
     speculative_config or None}``, each a ``Run`` like our decoders'; eager, unless the config has ``compiled: true``
     (``{compiled: true}`` alone: AR, compiled). Its forwards are each prompt's prefill plus its decode steps (τ as
     ours). vLLM counts neither its steps nor, for a step that drafted nothing (``ngram``
@@ -112,7 +114,7 @@ def vllm_peer_runs(peers: dict[str, dict | None], model: str, dtype: str, prompt
         spec = dict(spec or {})
         requests[name] = {"model": model, "enforce_eager": not spec.pop("compiled", False),
                           **({"speculative_config": spec} if spec else {})}
-    results = run_vllm(requests, ids, max_new_tokens, dtype=dtype)
+    results = run_vllm(requests, ids, max_new_tokens, dtype=dtype, sampling=sampling)
     runs = {}
     for name, r in results.items():
         outputs = [until_eos(t, eos_ids(eos)) for t in r.tokens]

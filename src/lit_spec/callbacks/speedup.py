@@ -4,7 +4,9 @@ At train start and after every validation run the callback decodes the same held
 greedy AR (the baseline) and with every other decoder, and logs per decoder NAME ``speedup/NAME`` (tokens/s over AR's
 in the same call), ``tokens_per_s/NAME``, ``mean_accepted/NAME`` (τ), ``exact_match/NAME`` (share of prompts whose
 output is token-identical to the current greedy AR output: the lossless check) and, where the decoder reports them,
-``fast_forward/NAME`` / ``stationary/NAME`` (Jacobi's CLLM Table 3 counts); plus ``tokens_per_s/ar``.
+``fast_forward/NAME`` / ``stationary/NAME`` (Jacobi's CLLM Table 3 counts); plus ``tokens_per_s/ar``. At every
+other temperature in ``temperatures``, AR and every decoder that samples decode again, sampling, logged as
+``NAME@T<t>`` (speed and τ against AR sampled at t).
 
 Quality: ``quality/agreement`` (share of prompts whose greedy AR output still equals the original model's, decoded
 before the first training step and kept in the callback's state, so a resumed run compares with the original),
@@ -40,13 +42,14 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lit_spec.callbacks.decoding_copy import DecodingCopy
 from lit_spec.data.execution import describe_isolation
 from lit_spec.data.metrics import EXECUTION_METRICS, score_answers
 from lit_spec.decoding import DECODERS, Decoder
 from lit_spec.decoding.fast import ENGINES
+from lit_spec.decoding.verify import check_sampling
 from lit_spec.drift import HELDOUT, answer_nll_terms, check_drift_data, compare_answers, drift_records, nll_mean
 from lit_spec.errors import ConfigError
 from lit_spec.measure import (EXTRAS, Run, build_decoders, compare, concat_runs, decode_prompts, eval_mode,
@@ -88,6 +91,11 @@ def plot_history(history: list[tuple[int, dict[str, float]]], path: Path) -> Non
     plt.close(fig)
 
 
+def tag(temperature: float) -> str:
+    """The suffix of a decoder's name and metrics at ``temperature``: none when greedy, ``@T0.7`` otherwise."""
+    return f"@T{temperature:g}" if temperature else ""
+
+
 class SpeedupCallback(L.Callback):
     """Args:
         num_prompts: records of ``split`` decoded per measurement (batch size 1).
@@ -103,12 +111,18 @@ class SpeedupCallback(L.Callback):
             (``false``), or the copy where it fits in memory on every rank (``auto``; ``DecodingCopy``).
         engine: the decoders' engine, ``eager``, ``static`` or ``compiled`` (``lit_spec.decoding.fast``); the
             seconds compiling takes are logged as ``time/compile_s``, kept out of tokens/s, in ``time/measure_s``.
+        temperatures: the temperatures measured, 0 (greedy) among them: at each t > 0 AR and every decoder that
+            samples decode again, sampling (lossless rules: their τ is the model's), logged as ``NAME@T<t>``.
+        top_p, seed: the sampling's top-p and its generators' seed.
     """
 
     def __init__(self, num_prompts: int = 8, max_new_tokens: int = 64, split: str = "validation",
                  at_train_start: bool = True, every_n_validations: int = 1, extra_decoders: dict | None = None,
-                 drift_data: dict | None = None, decode_copy: bool | str = "auto", engine: str = "eager"):
+                 drift_data: dict | None = None, decode_copy: bool | str = "auto", engine: str = "eager",
+                 temperatures=(0.0,), top_p: float = 1.0, seed: int = 0):
         self.num_prompts, self.max_new_tokens, self.split = num_prompts, max_new_tokens, split
+        self.temperatures = list(temperatures) if isinstance(temperatures, (list, tuple, ListConfig)) else temperatures
+        self.top_p, self.seed = top_p, seed
         self.at_train_start, self.every_n_validations = at_train_start, every_n_validations
         if isinstance(extra_decoders, DictConfig):
             extra_decoders = OmegaConf.to_container(extra_decoders, resolve=True)
@@ -141,6 +155,11 @@ class SpeedupCallback(L.Callback):
                 raise ConfigError("callbacks.speedup.extra_decoders: 'ar' is the baseline, always measured; "
                                   "give the entry another name and `method: ar`")
         self.drift_data = check_drift_data(self.drift_data, "callbacks.speedup.drift_data")
+        if (not isinstance(self.temperatures, list) or 0 not in self.temperatures
+                or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in self.temperatures)):
+            raise ConfigError(f"callbacks.speedup.temperatures={self.temperatures!r}: a list of numbers >= 0 that "
+                              "includes 0 (greedy: the lossless and quality checks), e.g. [0, 0.7, 1]")
+        check_sampling(1.0, self.top_p)
         if self.engine not in ENGINES:
             raise ConfigError(f"callbacks.speedup.engine={self.engine!r}: choose one of {ENGINES}")
         if self.engine != "eager" and weights_sharded(trainer.strategy):
@@ -172,15 +191,23 @@ class SpeedupCallback(L.Callback):
             log.info("speedup callback: %s runs the answers isolated by %s", dm.metric, describe_isolation())
 
     def _decoders(self, module: L.LightningModule, only_ar: bool) -> dict[str, Decoder]:
-        """AR, the method's decoders and ``extra_decoders``, over the module decoded this time."""
-        decoders = {"ar": DECODERS["ar"](module.model)}
-        if not only_ar:
-            decoders |= getattr(module, "decoders", dict)()
-            clash = sorted(set(decoders) & set(self.extra_decoders))
-            if clash:
-                raise ConfigError(f"callbacks.speedup.extra_decoders.{clash[0]}: the method already offers a "
-                                  f"decoder named {clash[0]!r}; name the entry otherwise, with `method: {clash[0]}`")
-            decoders |= build_decoders(module.model, self.extra_decoders)
+        """AR, the method's decoders and ``extra_decoders``, over the module decoded this time: greedy under their
+        names, and at every other temperature those that sample, under ``NAME@T<t>`` (only AR: greedy AR)."""
+        decoders = {}
+        for t in self.temperatures if not only_ar else [0]:
+            sampling = {"temperature": t, "top_p": self.top_p, "seed": self.seed} if t else {}
+            group = {"ar": DECODERS["ar"](module.model, **sampling)}
+            if not only_ar:
+                group |= getattr(module, "decoders", dict)(**sampling)
+                clash = sorted(set(group) & set(self.extra_decoders))
+                if clash:
+                    raise ConfigError(f"callbacks.speedup.extra_decoders.{clash[0]}: the method already offers a "
+                                      f"decoder named {clash[0]!r}; name the entry otherwise, with `method: "
+                                      f"{clash[0]}`")
+                extra = {n: p for n, p in self.extra_decoders.items()
+                         if not (t and DECODERS[p.get("method", n)].greedy_only)}
+                group |= build_decoders(module.model, extra, **sampling)
+            decoders |= {name + tag(t): decoder for name, decoder in group.items()}
         for decoder in decoders.values():
             decoder.set_engine(self.engine)
         return decoders
@@ -251,14 +278,19 @@ class SpeedupCallback(L.Callback):
             plot_history(self.history, Path(trainer.default_root_dir) / PLOT)
         return metrics
 
-    @staticmethod
-    def _speed(runs: dict[str, Run]) -> dict[str, float]:
+    def _speed(self, runs: dict[str, Run]) -> dict[str, float]:
         """Logged per decoder NAME: speedup/NAME, tokens_per_s/NAME, mean_accepted/NAME, exact_match/NAME and the
-        decoder's extras (fast_forward/NAME, ...); AR's tokens/s."""
-        keys = ("speedup", "tokens_per_s", "mean_accepted", "exact_match", *EXTRAS.values())
-        return {"tokens_per_s/ar": runs["ar"].stats.tokens_per_s} | {
-            f"{key}/{name}": float(m[key] or 0.0) for name, m in compare(runs).items() if name != "ar"
-            for key in keys if key in m}
+        decoder's extras (fast_forward/NAME, ...); AR's tokens/s. At a temperature t > 0 the same under NAME@T<t>,
+        against AR sampled at t, without exact match."""
+        metrics = {}
+        for t in self.temperatures:
+            group = {name.removesuffix(tag(t)): run for name, run in runs.items()
+                     if (name.endswith(tag(t)) if t else "@T" not in name)}
+            keys = ("speedup", "tokens_per_s", "mean_accepted", *(() if t else ("exact_match",)), *EXTRAS.values())
+            metrics[f"tokens_per_s/ar{tag(t)}"] = group["ar"].stats.tokens_per_s
+            metrics |= {f"{key}/{name}{tag(t)}": float(m[key] or 0.0) for name, m in compare(group).items()
+                        if name != "ar" for key in keys if key in m}
+        return metrics
 
     def _keep_original(self, outputs: list[list[int]], nll: dict[str, float]) -> None:
         """The first outputs and answer NLLs measured: the model as it was before training (kept in the state)."""

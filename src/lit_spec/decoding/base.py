@@ -39,6 +39,7 @@ class Decoder(ABC):
     name = "decoder"
     record_hidden = False   # the decode needs the target's last hidden states (``DecodeState.hidden``), or those of
                             # the ``hidden_states`` indices it names
+    greedy_only = False     # Jacobi-style decoders: temperature 0 only (``verify.require_greedy`` says why)
 
     def __init__(self, model, pad_token_id: int | None = None, engine: str = "eager"):
         """``engine``: ``eager`` (transformers' dynamic cache, every forward eager), ``static`` or ``compiled`` (the

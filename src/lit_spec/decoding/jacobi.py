@@ -79,12 +79,14 @@ class _Block:
 
 @register("jacobi")
 class JacobiDecoder(Decoder):
+    greedy_only = True
+
     def __init__(self, model, n_tokens: int = 16, init: str = "prefix", init_token: int | None = None,
                  seed: int | None = 0, return_trajectory: bool = False, align_blocks: bool = False,
-                 temperature: float = 0.0, **kwargs):
+                 temperature: float = 0.0, top_p: float = 1.0, **kwargs):
         super().__init__(model, **kwargs)
         self.n_tokens = check_count("n_tokens", n_tokens)
-        require_greedy("jacobi", temperature)
+        require_greedy("jacobi", temperature)    # top_p: taken as every decoder takes it, refused with T
         self.guess = GuessMaker(model, init, init_token, self.pad_token_id, seed)
         self.return_trajectory = bool(return_trajectory)
         self.align_blocks = bool(align_blocks)

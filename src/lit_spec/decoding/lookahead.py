@@ -1,5 +1,5 @@
 """``lookahead``: lookahead decoding (Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead
-Decoding"). Greedy, lossless, batch size 1, no draft model: one target forward per step runs two branches.
+Decoding"). Lossless, batch size 1, no draft model: one target forward per step runs two branches.
 
 - **Lookahead branch**: a 2D window of ``ngram - 1`` levels of ``window`` tokens, the last Jacobi iterations of a
   window of future positions. Level l (1-based) column j sits at ``l + j`` positions after the pending token and sees
@@ -12,7 +12,9 @@ Decoding"). Greedy, lossless, batch size 1, no draft model: one target forward p
   ``ngram - 1`` levels, as in the reference implementation.
 - **Verification branch**: up to ``guesses`` pool n-grams that start with the pending token, their other N-1 tokens fed
   as branches from the pending token (positions 1..N-1). The longest branch prefix that equals the model's own argmax
-  is accepted, plus the model's next token; only the accepted branch's KV entries stay in the cache.
+  is accepted, plus the model's next token; only the accepted branch's KV entries stay in the cache. At temperature
+  > 0 the branches are verified by the paper's sampling verification (``verify_branches``), which keeps the model's
+  distribution; the window still guesses greedily (a guess only drafts).
 
 Every block token's visibility is the ancestor set of a tree (``masks.from_parents``), its position its depth.
 Counters: ``drafted_tokens`` = the longest verified branch per step (like a tree's depth), ``accepted_tokens`` = the
@@ -34,7 +36,7 @@ from lit_spec.decoding.guesses import GuessMaker
 from lit_spec.decoding.masks import depths, from_parents
 from lit_spec.decoding.phrases import PhrasePool
 from lit_spec.decoding.state import DecodeState
-from lit_spec.decoding.verify import greedy_accept_length, require_greedy
+from lit_spec.decoding.verify import RejectionSampling, check_sampling, draw, greedy_accept_length
 from lit_spec.errors import ConfigError, check_count
 
 
@@ -116,10 +118,12 @@ Run = Callable[[list[int], torch.Tensor, list[int], list[int]], torch.Tensor]
 
 
 def lookahead_step(run: Run, chain: list[int], window: LookaheadWindow | None, pool: PhrasePool, guesses: int,
-                   room: int, last_depth: int | None, device) -> LookaheadStep:
+                   room: int, last_depth: int | None, device,
+                   sampler: RejectionSampling | None = None) -> LookaheadStep:
     """One step over the block [chain, window, up to ``guesses`` pool branches of the pending token ``chain[-1]``]:
     verify the branches, advance the window. ``room``: tokens the step may still commit; ``last_depth``: the largest
-    depth whose position is inside the model's context (window tokens beyond it are clamped)."""
+    depth whose position is inside the model's context (window tokens beyond it are clamped). With a ``sampler`` the
+    branches are verified by rejection sampling, greedily otherwise; the window always guesses greedily."""
     pending = chain[-1]
     branches = [list(c[: room - 1]) for c in pool.get(pending, guesses)] if room > 1 and guesses else []
     branches = [b for b in branches if b]
@@ -128,26 +132,40 @@ def lookahead_step(run: Run, chain: list[int], window: LookaheadWindow | None, p
     layout, visible = layout_of(len(levels), width, tuple(len(b) for b in branches), len(chain), device)
     tokens = chain + [t for level in levels for t in level] + [t for b in branches for t in b]
     depth = layout.depths if last_depth is None else [min(d, last_depth) for d in layout.depths]
-    predicted = dict(zip(layout.read, run(tokens, visible, depth, layout.read).argmax(-1).tolist()))
-
-    best, accepted = -1, 0
-    if branches:
-        lengths = [greedy_accept_length(b, [predicted[i] for i in [layout.pending] + idx[:-1]])
-                   for b, idx in zip(branches, layout.branches)]
-        best = max(range(len(branches)), key=lambda g: (lengths[g], -g))
-        accepted = lengths[best]
-    path = layout.branches[best][:accepted] if best >= 0 else []
-    committed = (branches[best][:accepted] if best >= 0 else []) + [predicted[path[-1] if path else layout.pending]]
+    logits = run(tokens, visible, depth, layout.read)
+    predicted = dict(zip(layout.read, logits.argmax(-1).tolist()))
+    path, extra = verify_branches(layout, tokens, logits, predicted, sampler)
     if window is not None and levels:
         window.advance([predicted[layout.window_index(len(levels) - 1, c)] for c in range(width)], pool)
+    committed = [tokens[i] for i in path] + [extra]
     return LookaheadStep(committed, list(range(len(chain))) + path, max(map(len, branches), default=0), len(layout))
+
+
+def verify_branches(layout: LookaheadLayout, tokens: list[int], logits: torch.Tensor, predicted: dict[int, int],
+                    sampler: RejectionSampling | None) -> tuple[list[int], int]:
+    """The accepted branch prefix (block offsets) and the token after it. Greedy: the longest prefix equal to the
+    model's argmax (``predicted`` at each read offset). Sampled: the Lookahead paper's sampling verification (§3.3,
+    after SpecInfer), i.e. ``RejectionSampling`` over the tree [pending, branches], n-grams sharing a prefix merged."""
+    if sampler is not None:
+        nodes = [layout.pending] + [i for idx in layout.branches for i in idx]
+        at = {offset: n for n, offset in enumerate(nodes)}
+        rows = {offset: r for r, offset in enumerate(layout.read)}
+        path, extra = sampler.choose([-1] + [at[layout.parents[i]] for i in nodes[1:]], [tokens[i] for i in nodes],
+                                     logits[[rows[i] for i in nodes]])
+        return [nodes[n] for n in path], extra
+    path = []
+    for idx in layout.branches:
+        n = greedy_accept_length([tokens[i] for i in idx], [predicted[i] for i in [layout.pending] + idx[:-1]])
+        if n > len(path):
+            path = idx[:n]
+    return path, predicted[path[-1] if path else layout.pending]
 
 
 @register("lookahead")
 class LookaheadDecoder(Decoder):
     def __init__(self, model, window: int = 5, ngram: int = 4, guesses: int = 5, init: str = "prefix",
                  init_token: int | None = None, seed: int | None = 0, pool_from_prompt: bool = False,
-                 temperature: float = 0.0, **kwargs):
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, **kwargs):
         super().__init__(model, **kwargs)
         self.window = check_count("window", window)
         self.ngram = check_count("ngram", ngram)
@@ -155,7 +173,8 @@ class LookaheadDecoder(Decoder):
         if self.ngram < 2:
             raise ConfigError(f"ngram={ngram!r}: the n-gram size N must be >= 2 (N - 1 lookahead levels, n-grams of "
                               "a first token and at least one more)")
-        require_greedy("lookahead", temperature)
+        check_sampling(temperature, top_p)
+        self.sampler = RejectionSampling(temperature, top_p, top_k, seed, model.device) if temperature else None
         self.guess = GuessMaker(model, init, init_token, self.pad_token_id, seed)
         self.pool_from_prompt = bool(pool_from_prompt)
 
@@ -173,7 +192,7 @@ class LookaheadDecoder(Decoder):
             return state.forward(torch.tensor([tokens], device=device), visible, torch.tensor([depth], device=device),
                                  logits_at=torch.tensor(read, device=device))[0]
 
-        state.commit([[int(state.prefill()[0].argmax(-1))]], advance=[0])
+        state.commit([[draw(self.sampler, state.prefill()[0])]], advance=[0])
         window = LookaheadWindow(self.window, self.ngram, self.guess)
         window.reset(prompt + state.out[0])
         steps = 0
@@ -181,7 +200,8 @@ class LookaheadDecoder(Decoder):
             room = state.max_new_tokens - len(state.out[0])
             # window tokens near the end of the context: keep their positions in range
             last = None if limit is None else max(limit - 1 - int(state.next_pos[0]), 0)
-            step = lookahead_step(run, state.out[0][-1:], window, pool, self.guesses, room, last, device)
+            step = lookahead_step(run, state.out[0][-1:], window, pool, self.guesses, room, last, device,
+                                  self.sampler)
             state.keep_path(step.fed, step.keep)
             state.commit([step.tokens], advance=[len(step.keep)], drafted=[step.drafted])
             steps += 1

@@ -63,14 +63,16 @@ def check_settings(n_tokens, blocks, spawn_ratio, pool_size, prefix: str = "") -
 
 @register("multiblock")
 class MultiBlockDecoder(Decoder):
+    greedy_only = True
+
     def __init__(self, model, n_tokens: int = 64, blocks: int = 2, spawn_ratio: float = 0.85, pool_size: int = 4,
                  init: str = "prefix", init_token: int | None = None, seed: int | None = 0,
-                 temperature: float = 0.0, **kwargs):
+                 temperature: float = 0.0, top_p: float = 1.0, **kwargs):
         super().__init__(model, **kwargs)
         check_settings(n_tokens, blocks, spawn_ratio, pool_size)
         self.n_tokens, self.blocks, self.pool_size = int(n_tokens), int(blocks), int(pool_size)
         self.spawn_at = math.ceil(spawn_ratio * self.n_tokens)
-        require_greedy("multiblock", temperature)
+        require_greedy("multiblock", temperature)    # top_p: taken as every decoder takes it, refused with T
         self.guess = GuessMaker(model, init, init_token, self.pad_token_id, seed)
 
     def open_blocks(self, start: int, end: int) -> int:

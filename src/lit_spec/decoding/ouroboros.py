@@ -1,5 +1,7 @@
 """``ouroboros``: phrase-based drafting for speculative decoding (Zhao et al. 2024, "Ouroboros: Generating Longer
-Drafts Phrase by Phrase for Faster Speculative Decoding"). Training-free, greedy, lossless, batch size 1.
+Drafts Phrase by Phrase for Faster Speculative Decoding"). Training-free, lossless, batch size 1. At temperature > 0
+the draft still drafts greedily and the target samples its verification tree by rejection with the drafts as point
+masses (``verify.RejectionSampling``), as the paper's sampling runs do (§2: draft temperature 0; §4.2, Table 3).
 
 Each round:
 
@@ -39,7 +41,7 @@ from lit_spec.decoding.masks import depths, from_parents
 from lit_spec.decoding.phrases import PhrasePool
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.tree import commit_tree
-from lit_spec.decoding.verify import require_greedy
+from lit_spec.decoding.verify import RejectionSampling, check_sampling, draw
 from lit_spec.errors import ConfigError, check_count
 
 
@@ -74,7 +76,8 @@ class OuroborosDecoder(Decoder):
     def __init__(self, model, draft_model=None, gamma: int = 4, window: int = 5, ngram: int = 4, guesses: int = 5,
                  phrases: int = 3, pool_capacity: int = 20, draft_lookahead: bool = True, lengthen: bool = True,
                  harvest: bool = True, reuse: bool = True, pool_path: str | None = None, init: str = "prefix",
-                 init_token: int | None = None, seed: int | None = 0, temperature: float = 0.0, **kwargs):
+                 init_token: int | None = None, seed: int | None = 0, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, **kwargs):
         super().__init__(model, **kwargs)
         check_draft(model, draft_model, "ouroboros")
         self.draft_model = draft_model
@@ -85,7 +88,8 @@ class OuroborosDecoder(Decoder):
         self.phrases = check_count("phrases", phrases)
         if self.ngram < 2:
             raise ConfigError(f"ngram={ngram!r}: the phrase length N must be >= 2 (a key token and at least one more)")
-        require_greedy("ouroboros", temperature)
+        check_sampling(temperature, top_p)
+        self.sampler = RejectionSampling(temperature, top_p, top_k, seed, model.device) if temperature else None
         self.draft_lookahead, self.lengthen = bool(draft_lookahead), bool(lengthen)
         self.harvest, self.reuse = bool(harvest), bool(reuse)
         self.pool_capacity = check_count("pool_capacity", pool_capacity)
@@ -106,7 +110,7 @@ class OuroborosDecoder(Decoder):
         runner = draft_runner(self.draft_model, state)
         prompt = state.prompt[0][state.prompt_mask[0].bool()].tolist()
         device = state.prompt.device
-        state.commit([[int(state.prefill()[0].argmax(-1))]], advance=[0])
+        state.commit([[draw(self.sampler, state.prefill()[0])]], advance=[0])
         window = None
         if self.draft_lookahead:
             window = LookaheadWindow(self.window, self.ngram, self.guess)
@@ -122,7 +126,7 @@ class OuroborosDecoder(Decoder):
             tokens = state.out[0][-1:] + draft + [t for b in branches for t in b]
             logits = state.forward(torch.tensor([tokens], device=device), visible.to(device), depth.to(device))[0]
             step = commit_tree(state, parents, len(draft) + max(map(len, branches), default=0), tokens, logits,
-                               len(tokens))
+                               len(tokens), self.sampler)
             committed = len(state.out[0]) - done           # the path and the target's token, cut at EOS
             from_phrases += max(min(len(step.path), committed) - len(draft), 0)
             if self.harvest:

@@ -38,9 +38,13 @@ def check_sampling(temperature, top_p=1.0) -> tuple[float, float]:
 
 
 def require_greedy(method: str, temperature) -> None:
-    """For the decoders that are greedy only (jacobi, lookahead, ouroboros): temperature 0, or a ConfigError."""
+    """For the Jacobi-style decoders (jacobi, multiblock): temperature 0, or a ConfigError saying why."""
     if temperature != 0:
-        raise ConfigError(f"{method}: temperature={temperature}; {method} decoding here is greedy only (temperature 0)")
+        raise ConfigError(
+            f"{method}: temperature={temperature}; Jacobi decoding is greedy by definition: a block is accepted where "
+            "it equals its own greedy fixed point (the argmax at every position), and a sampled token has no fixed "
+            "point to converge to. Use temperature=0, or a drafting decoder (prompt_lookup, lookahead, a tree) to "
+            "sample")
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
@@ -100,10 +104,15 @@ def tree_accept_path(parents: list[int], accepted: list[bool]) -> list[int]:
             ok[i], depth[i] = True, depth[p] + 1
             if depth[i] > depth[best]:
                 best = i
+    return path_to(best, parents)
+
+
+def path_to(node: int, parents: list[int]) -> list[int]:
+    """The block positions of a tree node's ancestors below the root, then the node (the root itself: [])."""
     path = []
-    while best > 0:
-        path.append(best)
-        best = parents[best]
+    while node > 0:
+        path.append(node)
+        node = parents[node]
     return path[::-1]
 
 
@@ -118,7 +127,34 @@ def draw(sampler: "RejectionSampling | TypicalAcceptance | None", logits: torch.
     return int(logits.argmax(-1)) if sampler is None else sampler.sample(sampler.probs(logits))
 
 
-class RejectionSampling:
+class Sampling:
+    """The target's sampling distribution, as transformers' warpers make it (temperature, then top-k, then top-p; 0 =
+    greedy), and the seeded generator every draw of a decoder takes from."""
+
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 device: torch.device | str = "cpu"):
+        self.temperature, self.top_p = check_sampling(temperature, top_p)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ConfigError(f"top_k={top_k!r}: an integer >= 0 (0: no top-k)")
+        self.top_k = top_k
+        self.generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits_to_probs(logits, self.temperature, self.top_p, self.top_k)
+
+    def sample(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The token of every row of ``logits`` [..., V]: the argmax when greedy, else a draw."""
+        if self.temperature == 0:
+            return logits.argmax(-1)
+        probs = self.probs(logits)
+        return torch.multinomial(probs.reshape(-1, probs.size(-1)), 1, generator=self.generator).reshape(
+            probs.shape[:-1])
+
+
+class RejectionSampling(Sampling):
     """Lossless sampling over a verified token tree (a chain is a tree too) whose candidates were chosen, not sampled
     (top-k of a draft or heads, n-gram matches): each candidate is a point-mass draft. From the root, the children of
     the last accepted node are tried in order; child x is accepted with probability r(x), r starting as the target's
@@ -132,40 +168,38 @@ class RejectionSampling:
 
     def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  device: torch.device | str = "cpu"):
-        self.temperature, self.top_p = check_sampling(temperature, top_p)
+        super().__init__(temperature, top_p, top_k, seed, device)
         if self.temperature == 0:
             raise ConfigError("rejection sampling needs temperature > 0 (0 is greedy)")
-        self.top_k = int(top_k)
-        self.generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits_to_probs(logits, self.temperature, self.top_p, self.top_k)
-
-    def sample(self, probs: torch.Tensor) -> int:
-        return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def choose(self, parents: list[int], tokens: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
         """The accepted path (block positions, root excluded) and the token after it, for ``tokens`` [root + nodes]
         with their block ``parents`` and the target's ``logits`` [>= len(tokens), V] at each."""
         probs = self.probs(logits[: len(tokens)])
         uniforms = torch.rand(len(tokens), generator=self.generator, device=probs.device).tolist()
-        children: dict[int, list[int]] = {}
+        # Copies of a node (the same token under the same prefix: lookahead's and Ouroboros's phrases share prefixes)
+        # are one candidate, tried at its first copy, whose children are those of every copy.
+        first, children = [0] * len(tokens), {}
         for i in range(1, len(tokens)):
-            children.setdefault(parents[i], []).append(i)
-        node, path = 0, []
+            key = (first[parents[i]], tokens[i])
+            first[i] = children.setdefault(key, i)
+        tried: dict[int, list[int]] = {}
+        for (parent, _), child in children.items():
+            tried.setdefault(parent, []).append(child)
+        node = 0
         while True:
             residual = probs[node]
-            for child in children.get(node, ()):
+            for child in tried.get(node, ()):
                 x = tokens[child]
                 if uniforms[child] < float(residual[x]):
-                    path.append(child)
                     node = child
                     break
                 residual = residual.clone()
                 residual[x] = 0.0
                 residual = residual / residual.sum()
             else:
-                return path, self.sample(residual)
+                # the path is the accepted node's own ancestors, whichever copies of them were tried
+                return path_to(node, parents), self.sample(residual)
 
 
 class TypicalAcceptance:

@@ -64,8 +64,8 @@ class CLLMModule(ConsistencyModule):
                          jsd_beta=jsd_beta, ar_weight=ar_weight, ar_target=ar_target, ar_sequence=ar_sequence,
                          label_smoothing=label_smoothing, **kwargs)
 
-    def decoders(self) -> dict:
-        return {"jacobi": JacobiDecoder(self.model, n_tokens=self.hparams.n_tokens)}
+    def decoders(self, **sampling) -> dict:
+        return {} if sampling else {"jacobi": JacobiDecoder(self.model, n_tokens=self.hparams.n_tokens)}   # greedy only
 
     def _ar_sequence(self, batch: dict) -> tuple[dict, torch.Tensor]:
         """The AR term's inputs and labels (``logits[t]`` predicts ``labels[t]``): c + y* or prompt + answer."""

@@ -127,8 +127,9 @@ class DraftDistillModule(FrozenBaseModule):
         check_draft(self.model, student, "draft_distill")    # the LM heads' real sizes
         return student
 
-    def decoders(self) -> dict:
-        return {"speculative": SpeculativeDecoder(self.model, draft_model=self.student, gamma=self.hparams.gamma)}
+    def decoders(self, **sampling) -> dict:
+        return {"speculative": SpeculativeDecoder(self.model, draft_model=self.student, gamma=self.hparams.gamma,
+                                                  **sampling)}
 
     # ---- the teacher's answers (objective=generated) --------------------------------------------------------
     def _eos(self):

@@ -150,9 +150,9 @@ class ChimeraModule(HeadsModule):
                             hp.attention_heads or config.num_attention_heads, hp.ffn_size,
                             getattr(config, "rms_norm_eps", 1e-6), hp.shared_lm_head)
 
-    def decoders(self) -> dict:
+    def decoders(self, **sampling) -> dict:
         return {"chimera": ChimeraDecoder(self.model, self.heads, tree=self.hparams.tree,
-                                          ngram_cache=self.hparams.ngram_cache)}
+                                          ngram_cache=self.hparams.ngram_cache, **sampling)}
 
 
 class MedusaModule(HeadsModule):
@@ -164,5 +164,5 @@ class MedusaModule(HeadsModule):
     def build_heads(self, config) -> MedusaHeads:
         return MedusaHeads(config.hidden_size, config.vocab_size, self.hparams.num_heads, self.hparams.shared_lm_head)
 
-    def decoders(self) -> dict:
-        return {"medusa": MedusaDecoder(self.model, self.heads, tree=self.hparams.tree)}
+    def decoders(self, **sampling) -> dict:
+        return {"medusa": MedusaDecoder(self.model, self.heads, tree=self.hparams.tree, **sampling)}

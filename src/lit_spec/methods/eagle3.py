@@ -82,8 +82,8 @@ class Eagle3Module(FrozenBaseModule):
                  100 * float(kept) / max(int(counts.sum()), 1), int(counts.sum()))
         return counts
 
-    def decoders(self) -> dict:
-        return {"eagle3": Eagle3Decoder(self.model, self.heads, **self.hparams.decoder)}
+    def decoders(self, **sampling) -> dict:
+        return {"eagle3": Eagle3Decoder(self.model, self.heads, **self.hparams.decoder, **sampling)}
 
     def _target(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The frozen target's fused features [B, T, H] (no gradient reaches the target) and logits [B, T, V]: from

@@ -44,8 +44,8 @@ class HiddenTransferModule(FrozenBaseModule):
         transfer = HiddenTransfer(config.hidden_size, config.vocab_size, self.hparams.layers, self.hparams.masked)
         return transfer.init_from_base(self.model)
 
-    def decoders(self) -> dict:
-        return {"hidden_transfer": HiddenTransferDecoder(self.model, self.heads, tree=self.hparams.tree)}
+    def decoders(self, **sampling) -> dict:
+        return {"hidden_transfer": HiddenTransferDecoder(self.model, self.heads, tree=self.hparams.tree, **sampling)}
 
     def _step(self, batch: dict, stage: str) -> torch.Tensor:
         hp, transfer = self.hparams, self.heads

@@ -43,8 +43,8 @@ class PackedConsistencyModule(ConsistencyModule):
     datamodule_class = NoisyTrajectoryDataModule
     noisy_reads_clean = False
 
-    def decoders(self) -> dict:
-        return {"jacobi": JacobiDecoder(self.model, n_tokens=self.hparams.n_tokens)}
+    def decoders(self, **sampling) -> dict:
+        return {} if sampling else {"jacobi": JacobiDecoder(self.model, n_tokens=self.hparams.n_tokens)}   # greedy only
 
     def _losses(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         hp = self.hparams
@@ -91,8 +91,10 @@ class JacobiForcingModule(PackedConsistencyModule):
         super().__init__(model_spec, n_tokens=n_tokens, distance=distance, jsd_beta=jsd_beta, ar_weight=ar_weight,
                          **decoder, **kwargs)
 
-    def decoders(self) -> dict:
+    def decoders(self, **sampling) -> dict:
         hp = self.hparams
+        if sampling:        # Jacobi decoding is greedy only
+            return {}
         return {"jacobi": JacobiDecoder(self.model, n_tokens=hp.n_tokens),
                 "multiblock": MultiBlockDecoder(self.model, n_tokens=hp.n_tokens, blocks=hp.blocks,
                                                 spawn_ratio=hp.spawn_ratio, pool_size=hp.pool_size)}

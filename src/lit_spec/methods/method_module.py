@@ -117,9 +117,10 @@ class MethodModule(L.LightningModule):
                 getattr(self, name).eval()      # a frozen part never trains (no dropout)
         return self
 
-    def decoders(self) -> dict[str, Decoder]:
+    def decoders(self, **sampling) -> dict[str, Decoder]:
         """The fast decoders this method trains the model for, by name, built over ``self.model`` (e.g. CLLM's
-        ``{"jacobi": JacobiDecoder(self.model, n_tokens=...)}``); the speedup callback measures each against AR."""
+        ``{"jacobi": JacobiDecoder(self.model, n_tokens=...)}``); the speedup callback measures each against AR.
+        With ``sampling`` (temperature > 0, top_p, seed) those that can sample, sampling."""
         return {}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

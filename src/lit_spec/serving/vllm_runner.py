@@ -1,5 +1,5 @@
 """vLLM, run from its own environment (``bash serving/install_vllm_cpu.sh`` makes ``.venv-vllm``; its transformers pin
-is not lit_spec's), through ``vllm_worker.py`` in a subprocess: prompt ids decoded greedily one at a time, with and
+is not lit_spec's), through ``vllm_worker.py`` in a subprocess: prompt ids decoded one at a time (greedy or sampled), with and
 without a draft, with vLLM's own speculative-decoding counters (``run_vllm``: the serving tests, the bench), or
 answers to batches of prompts handed back batch by batch (``vllm_answers``: ``collect.engine=vllm``).
 ``VLLM_PYTHON`` names another environment's python."""
@@ -41,7 +41,7 @@ def require_vllm() -> Path:
 
 @dataclass
 class VLLMRun:
-    """One engine's greedy decode of every prompt: the new token ids and seconds per prompt, vLLM's counters."""
+    """One engine's decode of every prompt: the new token ids and seconds per prompt, vLLM's counters."""
     tokens: list[list[int]]
     seconds: list[float]
     drafts: int                    # verification steps that carried drafts
@@ -56,8 +56,9 @@ class VLLMRun:
 
 
 def run_vllm(runs: dict[str, dict], prompts: list[list[int]], max_new_tokens: int, dtype: str = "float32",
-             max_model_len: int = 2048) -> dict[str, VLLMRun]:
-    """Decode ``prompts`` (token ids) greedily in vLLM once per run, ``{name: {"model": dir, "speculative_config":
+             max_model_len: int = 2048, sampling: dict | None = None) -> dict[str, VLLMRun]:
+    """Decode ``prompts`` (token ids) in vLLM once per run, greedily or with ``sampling`` (temperature, top_p, seed:
+    vLLM's ``SamplingParams``; its drafts are point masses, its rejection sampler lossless), ``{name: {"model": dir, "speculative_config":
     {...} or absent, "enforce_eager": bool or absent}}``, one prompt at a time, each run in a process of its own
     (vllm-cpu 0.32 once failed to build the engine of a bench's later run in the process of its earlier ones, in
     ``register_triton_kernel_overrides``); {name: VLLMRun}."""
@@ -66,7 +67,7 @@ def run_vllm(runs: dict[str, dict], prompts: list[list[int]], max_new_tokens: in
         with tempfile.TemporaryDirectory(prefix="lit_spec_vllm_") as tmp:
             result = Path(tmp) / "result.json"
             _work({"runs": [{"name": name, **run}], "prompts": prompts, "max_tokens": max_new_tokens, "dtype": dtype,
-                   "max_model_len": max_model_len}, result)
+                   "max_model_len": max_model_len, "sampling": sampling or {}}, result)
             out |= json.loads(result.read_text())
     return {name: VLLMRun(tokens=r["tokens"], seconds=r["seconds"], **r["spec"]) for name, r in out.items()}
 

@@ -1,6 +1,6 @@
 """Runs in vLLM's own environment (``serving/install_vllm_cpu.sh``), started by ``lit_spec.serving.vllm_runner``: it
-imports vLLM and the standard library only. It reads a request (JSON) and decodes greedily with ``vllm.LLM``, the
-engine in this process (no engine or worker processes to start), in one of two modes:
+imports vLLM and the standard library only. It reads a request (JSON) and decodes, greedily unless the request
+samples, with ``vllm.LLM``, the engine in this process (no engine or worker processes to start), in one of two modes:
 
 - ``runs``: one or more runs, each a model with an optional ``speculative_config``, over the same prompts, one
   prompt at a time; per run and prompt the new token ids and seconds, with vLLM's own speculative-decoding counters
@@ -41,10 +41,13 @@ def engine(model: str, request: dict, max_num_seqs: int, speculative_config: dic
                distributed_executor_backend="uni")
 
 
-def greedy(request: dict):
+def sampling_params(request: dict):
+    """Greedy, or the request's ``sampling`` (temperature, top_p; a seed per request, so that a run is repeatable)."""
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=request["max_tokens"])
+    sampling = request.get("sampling") or {}
+    return SamplingParams(temperature=sampling.get("temperature", 0.0), top_p=sampling.get("top_p", 1.0),
+                          seed=sampling.get("seed"), max_tokens=request["max_tokens"])
 
 
 def prompts_of(ids_list: list) -> list:
@@ -55,7 +58,7 @@ def prompts_of(ids_list: list) -> list:
 
 def run(run: dict, request: dict) -> dict:
     llm = engine(run["model"], request, 1, run.get("speculative_config"), run.get("enforce_eager", True))
-    params, prompts = greedy(request), prompts_of(request["prompts"])
+    params, prompts = sampling_params(request), prompts_of(request["prompts"])
     for prompt in prompts[: request.get("warmup", 1)]:        # vLLM's first call pays for setting up
         llm.generate([prompt], params, use_tqdm=False)
     before = counters(llm)
@@ -78,7 +81,7 @@ def run(run: dict, request: dict) -> dict:
 def answer_batches(request: dict, result_dir: str) -> None:
     batches = request["batches"]
     llm = engine(request["model"], request, max(map(len, batches)))
-    params = greedy(request)
+    params = sampling_params(request)
     for index, batch in zip(request["indices"], batches):
         outs = llm.generate(prompts_of(batch), params, use_tqdm=False)
         write_json(os.path.join(result_dir, f"{index}.json"), [list(o.outputs[0].token_ids) for o in outs])
