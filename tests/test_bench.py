@@ -94,16 +94,20 @@ def test_bench_runs_in_the_model_configs_dtype(micro_dirs, tmp_path, monkeypatch
 
 def test_bench_samples_every_runner_at_a_temperature(micro_dirs, tmp_path):
     """bench.temperature > 0: our AR, the tree decoder (rejection sampling) and transformers' generate all sample,
-    so their tokens/s compare like with like; exact match (a greedy check) is not reported."""
+    so their tokens/s compare like with like; exact match (a greedy check) is not reported; typical acceptance is
+    marked lossy (it refuses top_p: none here)."""
     cfg = bench_config(tmp_path, *micro_dirs, "decoding=[tree]", "bench.temperature=0.8",
-                       "bench.hf_peers=[generate]")
+                       "bench.hf_peers=[generate]", "+decoding.typical={method: tree, needs_draft: true, "
+                       "acceptance: typical}")
     results = run_benchmark(cfg, tmp_path)
     methods = results["methods"]
-    assert set(methods) == {"ar", "tree", "hf_generate"} and results["temperature"] == 0.8
+    assert set(methods) == {"ar", "tree", "typical", "hf_generate"} and results["temperature"] == 0.8
     assert all(m["exact_match"] is None and m["new_tokens"] > 0 for m in methods.values())
     assert methods["tree"]["mean_accepted"] >= 1.0
+    assert [name for name, m in methods.items() if not m["lossless"]] == ["typical"]
     table = (tmp_path / "bench.md").read_text()
-    assert "| ar |" in table and "sampled AR answers" in table
+    assert "| ar |" in table and "| typical (lossy) |" in table and "| tree |" in table
+    assert "sampled AR answers" in table
 
 
 def test_bench_scores_the_greedy_answers(micro_dirs, tmp_path):
