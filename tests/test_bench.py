@@ -68,12 +68,27 @@ def test_bench_runs_every_runner_and_writes_its_report(micro_dirs, tmp_path):
 def test_bench_runs_each_decoder_on_each_chosen_engine(micro_dirs, tmp_path):
     """``bench.engines``: every chosen decoder once per engine (NAME@ENGINE), all exact against eager AR, the
     baseline, which runs whatever the engines are."""
-    target, _ = micro_dirs
-    cfg = bench_config(tmp_path, target, None, "decoding=[jacobi]", "decoding.jacobi.n_tokens=4",
+    from transformers import AutoConfig
+
+    from lit_spec.decoding.fast import CACHE_STEP
+
+    cfg = bench_config(tmp_path, *micro_dirs, "decoding=[jacobi,speculative]", "decoding.jacobi.n_tokens=4",
                        "bench.engines=[static]", "bench.hf_peers=[]")
-    methods = run_benchmark(cfg, tmp_path)["methods"]
-    assert set(methods) == {"ar", "ar@static", "jacobi@static"}
+    results = run_benchmark(cfg, tmp_path)
+    methods = results["methods"]
+    assert set(methods) == {"ar", "ar@static", "jacobi@static", "speculative@static"}
     assert all(m["exact_match"] == 1.0 and m["compile_time"] == 0.0 for m in methods.values())
+    # what the fast path holds beside the weights, the target's and the draft's: keys and values of every layer at
+    # every cache position, and the packed copy of a plain fp32 LM head
+    for role, path in zip(("target", "draft"), micro_dirs):
+        c = AutoConfig.from_pretrained(path)
+        memory = results["fast_memory"][f"static/{role}"]
+        head_dim = c.hidden_size // c.num_attention_heads
+        per_position = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4
+        positions, rest = divmod(memory["static_cache"], per_position)
+        assert rest == 0 and positions > results["max_new_tokens"] and positions % CACHE_STEP == 0, role
+        assert memory["packed_head"] == c.vocab_size * c.hidden_size * 4, role
+    assert "memory of the fast path" in (tmp_path / "bench.md").read_text()
 
 
 def test_bench_runs_in_the_model_configs_dtype(micro_dirs, tmp_path, monkeypatch):

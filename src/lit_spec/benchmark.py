@@ -22,7 +22,7 @@ from lit_spec.data.datamodule import split_records
 from lit_spec.data.execution import describe_isolation
 from lit_spec.data.metrics import EXECUTION_METRICS, get_metric, score_answers
 from lit_spec.data.repetition import RepetitionFilter
-from lit_spec.decoding.fast import ENGINES
+from lit_spec.decoding.fast import ENGINES, FastForward
 from lit_spec.drift import HELDOUT, check_drift_data, compare_answers, compare_nll, drift_records
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json, write_text
@@ -194,7 +194,7 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     results = {"model": spec.name_or_path, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
                "num_prompts": len(prompts), "num_prompts_asked": cfg.bench.num_prompts, "max_new_tokens": max_new,
                "temperature": cfg.bench.temperature, "methods": methods, "compile_seconds": compile_seconds(runners),
-               "bandwidth_limit": limit}
+               "fast_memory": fast_memory(runners), "bandwidth_limit": limit}
     metric = cfg.bench.get("metric")
     if metric is not None:      # every method's own answers: a lossless method scores what AR scores
         for name, run in runs.items():
@@ -215,6 +215,20 @@ def compile_seconds(runners: dict) -> dict[str, float]:
     included and kept out of every timing. The model's compiled engine is one, shared by its ``@compiled`` runners."""
     return {f"{q}{'+hidden' if hidden else ''}@{length}": s for engine in fast_engines(runners) if engine.compiled
             for (q, hidden, length), s in engine.compile_seconds.items()}
+
+
+def fast_memory(runners: dict) -> dict[str, dict[str, int]]:
+    """Per fast engine, ``ENGINE/target`` or ``ENGINE/draft``, the bytes it holds beside the weights: its static
+    cache and its packed head (``FastForward.memory``)."""
+    out = {}
+    for runner in runners.values():
+        fast = getattr(runner, "fast", None)
+        if fast:
+            kind = "compiled" if fast.compiled else "static"
+            out[f"{kind}/target"] = fast.memory()
+            for draft in runner.draft_models():
+                out[f"{kind}/draft"] = FastForward.of(draft, fast.compiled).memory()
+    return out
 
 
 def answer_quality(outputs: list[list[int]], records: list[dict], tokenizer, metric: str | None) -> dict:
@@ -299,6 +313,13 @@ def _limit_line(results: dict) -> str:
         f"per token at {limit['read_gb_per_s']:.1f} GB/s, the read bandwidth measured here)\n\n")
 
 
+def _memory_line(results: dict) -> str:
+    memory = results.get("fast_memory")
+    return "" if not memory else "memory of the fast path, beside the weights: " + "; ".join(
+        f"{engine}: static cache {m['static_cache'] / 1e6:.1f} MB, packed head {m['packed_head'] / 1e6:.1f} MB"
+        for engine, m in memory.items()) + "\n\n"
+
+
 def write_report(results: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "bench.json", results)
@@ -310,7 +331,7 @@ def write_report(results: dict, out_dir: Path) -> None:
         + f", max_new_tokens={results['max_new_tokens']}, "
         f"temperature={results['temperature']}, device {results['device']}, {results['dtype']}, "
         f"model `{results['model']}`\n\n"
-        + _limit_line(results) + markdown_table(results)
+        + _limit_line(results) + _memory_line(results) + markdown_table(results)
         + ("\nsampled AR answers: " if results["temperature"] else "\ngreedy answers: ")
         + ", ".join(f"{k} {v:.3f}" for k, v in results["quality"].items()) + "\n"
         + (f"\nanswers executed with isolation: {results['execution_isolation']}\n"

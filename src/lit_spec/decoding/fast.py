@@ -167,6 +167,16 @@ class FastForward:
             self.cache_length = -(-length // CACHE_STEP) * CACHE_STEP
             self.cache = kv.static_cache(self.model, self.cache_length)
 
+    def memory(self) -> dict[str, int]:
+        """The bytes this engine holds beside the model's weights: the static cache's keys and values (allocated at
+        its first forward) and the packed head's copy of the head."""
+        layers = self.cache.layers if self.cache is not None else []
+        tensors = [t for layer in layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                   if isinstance(t, torch.Tensor)]
+        packed = self.head.packed if self.head is not None and self.head.packed is not None else None
+        return {"static_cache": sum(t.numel() * t.element_size() for t in tensors),
+                "packed_head": 0 if packed is None else packed.numel() * packed.element_size()}
+
     def new_cache(self, length: int) -> kv.StaticCache:
         """The static cache, emptied, holding at least ``length`` positions."""
         self.reserve(length)
