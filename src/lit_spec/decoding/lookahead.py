@@ -36,7 +36,7 @@ from lit_spec.decoding.guesses import GuessMaker
 from lit_spec.decoding.masks import depths, from_parents
 from lit_spec.decoding.phrases import PhrasePool
 from lit_spec.decoding.state import DecodeState
-from lit_spec.decoding.verify import RejectionSampling, check_sampling, draw, greedy_accept_length
+from lit_spec.decoding.verify import RejectionSampling, draw, greedy_accept_length, rejection_sampler
 from lit_spec.errors import ConfigError, check_count
 
 
@@ -173,8 +173,7 @@ class LookaheadDecoder(Decoder):
         if self.ngram < 2:
             raise ConfigError(f"ngram={ngram!r}: the n-gram size N must be >= 2 (N - 1 lookahead levels, n-grams of "
                               "a first token and at least one more)")
-        check_sampling(temperature, top_p)
-        self.sampler = RejectionSampling(temperature, top_p, top_k, seed, model.device) if temperature else None
+        self.sampler = rejection_sampler(temperature, top_p, top_k, seed, model.device)
         self.guess = GuessMaker(model, init, init_token, self.pad_token_id, seed)
         self.pool_from_prompt = bool(pool_from_prompt)
 

@@ -41,7 +41,7 @@ from lit_spec.decoding.masks import depths, from_parents
 from lit_spec.decoding.phrases import PhrasePool
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.tree import commit_tree
-from lit_spec.decoding.verify import RejectionSampling, check_sampling, draw
+from lit_spec.decoding.verify import draw, rejection_sampler
 from lit_spec.errors import ConfigError, check_count
 
 
@@ -88,8 +88,7 @@ class OuroborosDecoder(Decoder):
         self.phrases = check_count("phrases", phrases)
         if self.ngram < 2:
             raise ConfigError(f"ngram={ngram!r}: the phrase length N must be >= 2 (a key token and at least one more)")
-        check_sampling(temperature, top_p)
-        self.sampler = RejectionSampling(temperature, top_p, top_k, seed, model.device) if temperature else None
+        self.sampler = rejection_sampler(temperature, top_p, top_k, seed, model.device)
         self.draft_lookahead, self.lengthen = bool(draft_lookahead), bool(lengthen)
         self.harvest, self.reuse = bool(harvest), bool(reuse)
         self.pool_capacity = check_count("pool_capacity", pool_capacity)

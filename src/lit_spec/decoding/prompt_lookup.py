@@ -17,7 +17,7 @@ from lit_spec.decoding.base import Decoder, register
 from lit_spec.decoding.masks import causal
 from lit_spec.decoding.phrases import ngram_continuation
 from lit_spec.decoding.state import DecodeState
-from lit_spec.decoding.verify import RejectionSampling, check_sampling, draw, greedy_accept_length
+from lit_spec.decoding.verify import draw, greedy_accept_length, rejection_sampler
 from lit_spec.errors import ConfigError, check_count
 
 
@@ -26,8 +26,7 @@ class PromptLookupDecoder(Decoder):
     def __init__(self, model, num_draft_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, **kwargs):
         super().__init__(model, **kwargs)
-        check_sampling(temperature, top_p)
-        self.sampler = RejectionSampling(temperature, top_p, top_k, seed, model.device) if temperature else None
+        self.sampler = rejection_sampler(temperature, top_p, top_k, seed, model.device)
         self.num_draft_tokens = check_count("num_draft_tokens", num_draft_tokens)
         self.max_ngram = check_count("max_ngram", max_ngram)
         self.min_ngram = check_count("min_ngram", min_ngram)

@@ -1,6 +1,7 @@
 """``speculative``: a draft model proposes ``gamma`` tokens, the target verifies them in one forward (Leviathan et al.
 2023, Chen et al. 2023). Greedy (temperature 0) is lossless: the output equals the target's greedy decode. Sampling
-(temperature > 0, optional top_k / top_p) uses rejection sampling, which leaves the target's distribution exactly unchanged.
+(temperature > 0, optional top_k / top_p) uses rejection sampling, which leaves the target's distribution exactly
+unchanged.
 
 Target and draft keep their own KV caches (``DecodeState`` and ``DraftRunner``); after each verification both are
 rolled back to the accepted prefix. Batch size 1.

@@ -29,8 +29,8 @@ from lit_spec.decoding.base import Decoder, register
 from lit_spec.decoding.draft import check_context, check_draft, draft_runner
 from lit_spec.decoding.masks import from_parents
 from lit_spec.decoding.state import DecodeState
-from lit_spec.decoding.verify import (RejectionSampling, TypicalAcceptance, check_sampling, draw,
-                                      greedy_tree_accepts, tree_accept_path)
+from lit_spec.decoding.verify import (RejectionSampling, TypicalAcceptance, draw, greedy_tree_accepts,
+                                      rejection_sampler, tree_accept_path)
 from lit_spec.errors import ConfigError
 
 Candidates = Callable[[DecodeState, int, int], torch.Tensor]
@@ -42,13 +42,10 @@ def tree_sampler(temperature: float, top_p: float, top_k: int, acceptance: str, 
                  posterior_alpha: float, seed: int | None, device) -> Sampler | None:
     """How a tree decoder accepts at ``temperature``: greedily at 0 (None); rejection sampling (lossless) or, with
     ``acceptance=typical``, Medusa's typical acceptance (lossy: no top-k / top-p)."""
-    check_sampling(temperature, top_p)
     if acceptance not in ACCEPTANCE:
         raise ConfigError(f"acceptance={acceptance!r}: choose one of {ACCEPTANCE}")
-    if temperature == 0:
-        return None
-    if acceptance == "rejection":
-        return RejectionSampling(temperature, top_p, top_k, seed, device)
+    if acceptance == "rejection" or temperature == 0:
+        return rejection_sampler(temperature, top_p, top_k, seed, device)
     if top_p != 1.0 or top_k:
         raise ConfigError("acceptance=typical samples the target at its temperature only: drop top_p / top_k, or "
                           "use acceptance=rejection")

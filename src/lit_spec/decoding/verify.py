@@ -202,6 +202,13 @@ class RejectionSampling(Sampling):
                 return path_to(node, parents), self.sample(residual)
 
 
+def rejection_sampler(temperature: float, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                      device: torch.device | str = "cpu") -> RejectionSampling | None:
+    """How a drafting decoder verifies: greedily at temperature 0 (None), else by ``RejectionSampling``."""
+    check_sampling(temperature, top_p)
+    return RejectionSampling(temperature, top_p, top_k, seed, device) if temperature else None
+
+
 class TypicalAcceptance:
     """Typical acceptance (Medusa, Cai et al. 2024, §2.3.1; Chimera §4.3 with T = 1): a candidate x is accepted
     where the target, at ``temperature``, gives it p(x) > min(epsilon, delta · exp(-H(p))) — confident target
