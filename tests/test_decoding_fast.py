@@ -9,6 +9,7 @@ import pytest
 import torch
 from random_models import ARCHS, assert_same_cache, noisy_copy, random_model, random_prompts, reference_greedy
 from test_chimera import chimera, medusa
+from test_dflash import dflash
 from test_eagle3 import eagle3
 from test_hidden_transfer import transfer
 
@@ -34,6 +35,7 @@ def decoders(model) -> dict[str, tuple[str, dict]]:
         "hidden_transfer": ("hidden_transfer", {"transfer": transfer(model)}),
         "eagle3": ("eagle3", {"heads": eagle3(model), "depth": 4, "top_k": 3, "total_tokens": 8}),
         "eagle3_chain": ("eagle3", {"heads": eagle3(model), "tree": [1, 1, 1]}),
+        "dflash": ("dflash", {"heads": dflash(model)}),
     }
 
 

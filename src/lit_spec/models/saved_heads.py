@@ -1,5 +1,5 @@
 """Trained draft heads on disk: ``heads.safetensors`` + ``heads.json`` (kind, config, the base model's spec), for
-every kind of heads on a frozen base (Medusa, Chimera, Hidden Transfer's maps, the EAGLE-3 draft). The registry of kinds lives here,
+every kind of heads on a frozen base (Medusa, Chimera, Hidden Transfer's maps, the EAGLE-3 and DFlash drafts). The registry of kinds lives here,
 where all of them are imported."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from safetensors.torch import load_file, save_file
 from lit_spec.errors import ConfigError
 from lit_spec.io import atomic_dir, write_json
 from lit_spec.models.chimera import ChimeraDraft
+from lit_spec.models.dflash import DFlashDraft
 from lit_spec.models.draft_heads import DraftHeads, MedusaHeads
 from lit_spec.models.eagle3 import Eagle3Draft
 from lit_spec.models.hidden_transfer import HiddenTransfer
 
 WEIGHTS, CONFIG = "heads.safetensors", "heads.json"
 KINDS: dict[str, type[DraftHeads]] = {cls.kind: cls for cls in (MedusaHeads, ChimeraDraft, HiddenTransfer,
-                                                                 Eagle3Draft)}
+                                                                 Eagle3Draft, DFlashDraft)}
 
 
 def save_heads(heads: DraftHeads, directory: str | Path, base_model: dict, state: dict | None = None) -> Path:
