@@ -197,6 +197,7 @@ def test_the_draft_vocabulary_comes_from_the_training_answers(micro_config):
     (["method.draft_vocab_size=100000"], "exceeds the target's vocabulary"),
     (["method.layers=[0,1,9]"], "hidden_states indices run 0..2"),
     (["method.step_weight=0"], "step_weight"),
+    (["method.layers=[2,0,1]"], "ascending order \\(\\[0, 1, 2\\]\\)"),
 ])
 def test_bad_settings_are_refused_before_work(micro_config, overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -43,6 +43,7 @@ def test_eagle3_is_written_under_vllms_names_with_its_trained_values(model, tmp_
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert (config["draft_vocab_size"], config["vocab_size"]) == (32, model.config.vocab_size)
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1]
     assert config["target_hidden_size"] == model.config.hidden_size and config["num_hidden_layers"] == 1
     written, state = load_file(out / "model.safetensors"), draft.state_dict()
     assert written.keys() == state.keys()

@@ -126,6 +126,10 @@ class Eagle3Draft(DraftHeads):
         self.layers = [int(t) for t in layers]
         if not self.layers or min(self.layers) < 0:
             raise ConfigError(f"method.layers={layers}: give the target's feature layers (hidden_states indices >= 0)")
+        if self.layers != sorted(self.layers):
+            # vLLM collects the target's states in ascending layer order: fc's input blocks must be in that order
+            raise ConfigError(f"method.layers={layers}: list them in ascending order ({sorted(self.layers)}), the "
+                              "order vLLM concatenates the target's states in")
         self.settings = {"num_attention_heads": num_attention_heads,
                          "num_key_value_heads": num_key_value_heads or num_attention_heads,
                          "head_dim": head_dim or hidden_size // num_attention_heads,

@@ -41,6 +41,9 @@ def eagle3_layout(heads, state: dict) -> tuple[dict, dict]:
               "rms_norm_eps": s["rms_norm_eps"], "rope_parameters": s["rope_parameters"],
               "max_position_embeddings": s["max_position_embeddings"], "vocab_size": heads.vocab_size,
               "draft_vocab_size": heads.draft_vocab_size, "tie_word_embeddings": False,
+              # the layer ids twice: vLLM reads the top level first (get_eagle3_aux_layers_from_config), older
+              # versions eagle_config
+              "eagle_aux_hidden_state_layer_ids": heads.layers,
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": heads.layers, "use_aux_hidden_state": True}}
     return config, dict(state)
 
