@@ -15,6 +15,8 @@ from test_hidden_transfer import transfer
 
 from lit_spec.decoding import generate
 from lit_spec.decoding.fast import FastForward, PackedHead, width_bucket
+from lit_spec.decoding.masks import causal
+from lit_spec.decoding.state import FastDecodeState
 from lit_spec.errors import ConfigError
 
 NEW = 40
@@ -124,6 +126,24 @@ def _trimmed(static, length: int):
     for i, layer in enumerate(static.layers):
         cache.update(layer.keys[..., :length, :], layer.values[..., :length, :], i)
     return cache
+
+
+def test_a_block_past_the_end_of_the_static_cache_grows_it():
+    """A block wider than the margin the cache was sized with (a decode of 8 new tokens: 9 + 8 + 256 positions, 512
+    after rounding) grows the cache, keeping what it held: the block's logits are the model's over the whole
+    sequence."""
+    model = random_model("mistral", seed=5)              # its own engine: no cache reserved by another test
+    engine = FastForward.of(model, compiled=False)
+    ids, mask = random_prompts(1, [9], seed=4)
+    block = torch.randint(3, 96, (1, 600), generator=torch.Generator().manual_seed(0))
+    with engine.attention():
+        state = FastDecodeState(engine, model, ids, mask, 8, None)
+        state.prefill()
+        logits = state.forward(block, causal(600, ids.device))
+    with torch.no_grad():
+        full = model(torch.cat([ids, block], dim=1)).logits[0, ids.size(1):]
+    assert engine.cache_length == 768
+    torch.testing.assert_close(logits[0], full, rtol=1e-4, atol=1e-4)     # the prompt's keys came along
 
 
 def test_batches_unknown_engines_other_attention_and_short_windows_are_refused_before_work(models):

@@ -75,6 +75,18 @@ def static_cache(model, length: int) -> StaticCache:
     return cache
 
 
+def copy_prefix(source: StaticCache, target: StaticCache, length: int) -> None:
+    """The first ``length`` positions of ``source``'s keys and values written into ``target``, a longer static cache
+    of the same model (its layers allocated here if they were not yet)."""
+    for old, new in zip(source.layers, target.layers):
+        if not old.is_initialized:
+            continue
+        if not new.is_initialized:
+            new.lazy_initialization(old.keys[:, :, :1], old.values[:, :, :1])
+        new.keys[:, :, :length] = old.keys[:, :, :length]
+        new.values[:, :, :length] = old.values[:, :, :length]
+
+
 def set_length(cache: StaticCache, length: int) -> None:
     """Roll a static cache back (or forward) to its first ``length`` positions: only its length moves; the stale
     entries after it are overwritten by the next forward and masked until then."""

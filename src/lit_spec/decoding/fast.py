@@ -94,8 +94,7 @@ class StaticRow:
         q, start = block.size(1), self.length
         width = q if eager or not self.engine.compiled else width_bucket(q)
         if start + width > self.engine.cache_length:
-            raise ConfigError(f"a block of {q} tokens (run at width {width}) does not fit the static cache after "
-                              f"{start} positions: decode with engine=eager")
+            self._grow(start + width)
         pattern = torch.eye(width, dtype=torch.bool, device=block.device)
         pattern[:q, :q] = visible.to(block.device).reshape(q, q)
         ids, position_ids = (F.pad(t, (0, width - q), value=0) for t in (block, position_ids))
@@ -105,6 +104,20 @@ class StaticRow:
         self.set_length(start + q)
         self.allowed[:, start: start + q] = 0.0 if valid is None else torch.where(valid, 0.0, self.min)
         return out
+
+    def _grow(self, positions: int) -> None:
+        """A longer static cache, where a block would pass the end of this one (a decoder's blocks wider than the
+        margin ``FastForward.positions`` leaves): the valid entries are copied over, and the widths compile anew for
+        its length (their seconds kept apart as every compile's)."""
+        old = self.cache
+        self.engine.reserve(positions)
+        self.cache = self.engine.cache
+        kv.copy_prefix(old, self.cache, self.length)
+        kv.set_length(self.cache, self.length)
+        allowed = torch.full((1, self.engine.cache_length), self.min, dtype=self.allowed.dtype,
+                             device=self.allowed.device)
+        allowed[:, : self.allowed.size(1)] = self.allowed
+        self.allowed = allowed
 
     def set_length(self, length: int) -> None:
         self.allowed[:, length: self.length] = self.min
