@@ -28,7 +28,8 @@ MANDATORY = {("model", "hf"): {"model.name_or_path"}, ("model", "stage_export"):
              ("decoding", "medusa"): {"decoding.medusa.heads"},
              ("decoding", "hidden_transfer"): {"decoding.hidden_transfer.transfer"},
              ("decoding", "eagle3"): {"decoding.eagle3.heads"},
-             ("decoding", "eagle3_chain"): {"decoding.eagle3_chain.heads"}}
+             ("decoding", "eagle3_chain"): {"decoding.eagle3_chain.heads"},
+             ("decoding", "dflash"): {"decoding.dflash.heads"}}
 # hydra.utils helpers whose `path` names a second thing to import
 LOCATORS = {"hydra.utils.get_method", "hydra.utils.get_class", "hydra.utils.get_object"}
 
@@ -256,7 +257,7 @@ def test_bench_default_composes_every_training_free_method_with_the_tiny_draft(t
     from lit_spec.decoding import DECODERS
 
     cfg = _composed("bench.num_prompts=3", tmp_path, "bench")
-    trained = {"chimera", "medusa", "hidden_transfer", "eagle3"}    # they need heads a method=... run trains
+    trained = {"chimera", "medusa", "hidden_transfer", "eagle3", "dflash"}    # heads a method=... run trains
     assert set(cfg.decoding) == set(DECODERS) - trained - {"ar"}    # ar: the baseline, always run
     assert cfg.decoding.speculative.needs_draft and cfg.draft.stage == "tiny_draft"
     assert cfg.model.stage == "tiny_target" and cfg.bench.num_prompts == 3
