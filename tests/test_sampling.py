@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 from random_models import BOS, noisy_copy, random_model
-from test_chimera import medusa
+from test_chimera import chimera, medusa
+from test_dflash import dflash
 from test_eagle3 import eagle3
 
 from lit_spec.decoding import DECODERS
@@ -99,6 +100,8 @@ def cases(model) -> dict[str, tuple[str, dict, dict]]:
         "ouroboros": ("ouroboros", {"draft_model": noisy_copy(model, 0.05), "gamma": 1, "window": 2, "ngram": 2,
                                     "phrases": 2}, t1),
         "medusa_chain": ("medusa", {"heads": medusa(model), "tree": [1, 1]}, t1),
+        "chimera_tree": ("chimera", {"heads": chimera(model), "tree": [2, 1]}, t1),
+        "dflash_chain": ("dflash", {"heads": dflash(model, block_size=3)}, t1),
         "eagle3_dynamic": ("eagle3", {"heads": eagle3(model, vocab=VOCAB), "depth": 2, "top_k": 2,     # the tree's
                                       "total_tokens": 4}, t1),                                         # top-k
         "typical_tree": ("tree", {"draft_model": noisy_copy(model, 0.05), "tree": [2, 2], "acceptance": "typical"},
@@ -108,7 +111,8 @@ def cases(model) -> dict[str, tuple[str, dict, dict]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["speculative", "tree_top_k_top_p", "tree_flat", "prompt_lookup", "lookahead",
-                                  "ouroboros", "medusa_chain", "eagle3_dynamic", "typical_tree"])
+                                  "ouroboros", "medusa_chain", "chimera_tree", "dflash_chain",
+                                  "eagle3_dynamic", "typical_tree"])
 def test_a_decoder_samples_the_targets_distribution_exactly(small, name):
     """1000 decodes of 3 tokens (64 outcomes): an exact sampler stays within the threshold (0.171) but with
     probability 1e-6; typical acceptance, on the nearly flat target, does not. Every drafting step drafts."""
