@@ -230,3 +230,18 @@ def test_cached_states_of_other_layers_are_refused(models):
     for layers in (None, draft.layers, [2, *draft.layers]):
         with pytest.raises(ConfigError, match=r"set data.base_states.layers=\[0, 1, 2, 2\]"):
             check_cached_layers(BaseStates(layers=layers), draft, 2)
+
+
+def test_cached_base_states_train_the_fusion_layer_too(micro_config):
+    """With ``data.base_states`` a batch carries the target's states instead of a forward; the draft's ``fc`` still
+    gets its gradient (it once ran under the target's no_grad there and never trained)."""
+    module, datamodule = built_method(micro_config(*EAGLE3))
+    batch = next(iter(datamodule.train_dataloader()))
+    with torch.no_grad():
+        hidden = module.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              output_hidden_states=True).hidden_states
+    layers = [*module.heads.layers, len(hidden) - 1]
+    batch = {**batch, "base_hidden": torch.cat([hidden[i] for i in layers], dim=-1)}
+    module.log = lambda *args, **kwargs: None
+    _, changed = heads_training_step(module, batch)
+    assert dict(zip(module.heads.state_dict(), changed))["fc.weight"]

@@ -85,23 +85,11 @@ class DFlashModule(FrozenBaseModule):
     def decoders(self, **sampling) -> dict:
         return {"dflash": DFlashDecoder(self.model, self.heads, **self.hparams.decoder, **sampling)}
 
-    def _target(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The frozen target's features [B, T, kH] at the draft's layers and its logits [B, T, V]: from its forward,
-        or from the ``base_states`` cache (the feature layers, then the last, whose LM head gives the logits)."""
-        with torch.no_grad():
-            if "base_hidden" in batch:
-                states = batch["base_hidden"].split(self.model.config.hidden_size, dim=-1)
-                head = self.model.get_output_embeddings()
-                return torch.cat(states[:-1], dim=-1), head(states[-1].to(head.weight.dtype))
-            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             output_hidden_states=True)
-        return torch.cat([out.hidden_states[i] for i in self.heads.hidden_states], dim=-1), out.logits
-
     def _step(self, batch: dict, stage: str) -> torch.Tensor:
         hp, draft = self.hparams, self.heads
         ids, valid = batch["input_ids"], batch["attention_mask"].bool()
         answer = (batch["labels"] != IGNORE_INDEX) & valid
-        features, logits = self._target(batch)
+        features, logits = self.base_states(batch, draft.hidden_states)
         (b, t), n = ids.shape, hp.block_size
         anchors, real = anchors_of(answer, valid, hp.max_anchors)
         positions = anchors[..., None] + torch.arange(n, device=ids.device)                  # [B, A, n]

@@ -86,17 +86,10 @@ class Eagle3Module(FrozenBaseModule):
         return {"eagle3": Eagle3Decoder(self.model, self.heads, **self.hparams.decoder, **sampling)}
 
     def _target(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The frozen target's fused features [B, T, H] (no gradient reaches the target) and logits [B, T, V]: from
-        its forward, or from the states the ``base_states`` stage cached (the feature layers, then the last, whose
-        LM head gives the logits)."""
-        with torch.no_grad():
-            if "base_hidden" in batch:
-                states = batch["base_hidden"].split(self.model.config.hidden_size, dim=-1)
-                head = self.model.get_output_embeddings()
-                return self.heads.features(torch.cat(states[:-1], dim=-1)), head(states[-1].to(head.weight.dtype))
-            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             output_hidden_states=True)
-        return self.heads.features(out.hidden_states), out.logits
+        """The draft's fused features [B, T, H] of the frozen target's states (``fc`` trains; no gradient reaches the
+        target) and the target's logits [B, T, V]."""
+        states, logits = self.base_states(batch, self.heads.layers)
+        return self.heads.features(states), logits
 
     def _step(self, batch: dict, stage: str) -> torch.Tensor:
         hp, draft = self.hparams, self.heads

@@ -46,6 +46,19 @@ class FrozenBaseModule(MethodModule):
     def _step(self, batch: dict, stage: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def base_states(self, batch: dict, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frozen base's hidden states at ``indices`` (transformers' ``hidden_states``), concatenated [B, T, kH],
+        and its logits [B, T, V], without gradient: from its forward, or from the ``data.base_states`` cache (those
+        layers, then the last, whose LM head gives the logits)."""
+        with torch.no_grad():
+            if "base_hidden" in batch:
+                states = batch["base_hidden"].split(self.model.config.hidden_size, dim=-1)
+                head = self.model.get_output_embeddings()
+                return torch.cat(states[:-1], dim=-1), head(states[-1].to(head.weight.dtype))
+            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             output_hidden_states=True)
+        return torch.cat([out.hidden_states[i] for i in indices], dim=-1), out.logits
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")
 
