@@ -222,14 +222,14 @@ def test_shifted_moves_left_and_pads():
 def test_cached_states_of_other_layers_are_refused(models):
     """``data.base_states`` must hold the draft's feature layers and the last (what its loss reads), in that order."""
     from lit_spec.data.base_states import BaseStates
-    from lit_spec.methods.eagle3 import check_cached_layers
+    from lit_spec.methods.frozen_base import check_cached_states
 
     draft = eagle3(models["llama"])
-    check_cached_layers(None, draft, 2)
-    check_cached_layers(BaseStates(layers=[*draft.layers, 2]), draft, 2)
+    check_cached_states(None, draft.layers, 2, "eagle3")
+    check_cached_states(BaseStates(layers=[*draft.layers, 2]), draft.layers, 2, "eagle3")
     for layers in (None, draft.layers, [2, *draft.layers]):
         with pytest.raises(ConfigError, match=r"set data.base_states.layers=\[0, 1, 2, 2\]"):
-            check_cached_layers(BaseStates(layers=layers), draft, 2)
+            check_cached_states(BaseStates(layers=layers), draft.layers, 2, "eagle3")
 
 
 def test_cached_base_states_train_the_fusion_layer_too(micro_config):

@@ -67,7 +67,7 @@ class Eagle3Drafter:
         draft = self.draft
         states = states[None]
         q, k, v = draft.midlayer.qkv(draft.embed(tokens[None]).to(states.dtype), states,
-                                     draft.rotary_of(states, positions[None]))
+                                     draft.rotary(states, positions[None]))
         keys, values = self.kv.update(k, v)
         self.forwards += 1
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[None, None], enable_gqa=True)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from lit_spec.data import IGNORE_INDEX
 from lit_spec.decoding.dflash import DFlashDecoder
 from lit_spec.errors import ConfigError, check_count
-from lit_spec.methods.frozen_base import FrozenBaseModule
+from lit_spec.methods.frozen_base import FrozenBaseModule, check_cached_states
 from lit_spec.models.dflash import DFlashDraft
 
 
@@ -74,12 +74,8 @@ class DFlashModule(FrozenBaseModule):
         hp = self.hparams
         draft = DFlashDraft.for_target(self.model.config, hp.num_layers, hp.block_size, hp.layers, hp.mask_token_id)
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        base_states = getattr(datamodule, "base_states", None)
-        wanted = [*draft.hidden_states, self.model.config.num_hidden_layers]
-        if base_states is not None and base_states.layers != wanted:
-            raise ConfigError(f"data.base_states.layers={base_states.layers}: method=dflash reads hidden_states "
-                              f"{list(draft.hidden_states)} (layers {draft.target_layer_ids}'s outputs) and the last; "
-                              f"set data.base_states.layers={wanted}")
+        check_cached_states(getattr(datamodule, "base_states", None), draft.hidden_states,
+                            self.model.config.num_hidden_layers, "dflash")
         return draft.init_from_base(self.model)
 
     def decoders(self, **sampling) -> dict:

@@ -29,22 +29,11 @@ import torch
 from lit_spec.data import IGNORE_INDEX
 from lit_spec.decoding.eagle3 import DYNAMIC, Eagle3Decoder
 from lit_spec.errors import ConfigError, check_count
-from lit_spec.methods.frozen_base import FrozenBaseModule
+from lit_spec.methods.frozen_base import FrozenBaseModule, check_cached_states
 from lit_spec.methods.losses import soft_cross_entropy
 from lit_spec.models.eagle3 import Eagle3Draft, shifted
 
 log = logging.getLogger(__name__)
-
-
-def check_cached_layers(base_states, draft: Eagle3Draft, num_layers: int) -> None:
-    """Cached base states (``data.base_states``, when enabled) must be the draft's feature layers and the last."""
-    if base_states is None:
-        return
-    wanted = [*draft.layers, num_layers]
-    if base_states.layers != wanted:
-        raise ConfigError(f"data.base_states.layers={base_states.layers}: method=eagle3 reads hidden_states "
-                          f"{draft.layers} and the last layer; set data.base_states.layers={wanted} (and "
-                          f"method.layers={draft.layers})")
 
 
 class Eagle3Module(FrozenBaseModule):
@@ -74,7 +63,8 @@ class Eagle3Module(FrozenBaseModule):
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is None:
             return None
-        check_cached_layers(getattr(datamodule, "base_states", None), draft, self.model.config.num_hidden_layers)
+        check_cached_states(getattr(datamodule, "base_states", None), draft.layers,
+                            self.model.config.num_hidden_layers, "eagle3")
         counts = datamodule.answer_token_counts(draft.vocab_size)
         kept = counts.sort(descending=True).values[: draft.draft_vocab_size].sum()
         log.info("eagle3: draft vocabulary of %d tokens, %d distinct in the training answers, covering %.1f%% of "

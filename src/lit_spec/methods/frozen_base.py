@@ -10,11 +10,23 @@ from pathlib import Path
 
 import torch
 
+from lit_spec.errors import ConfigError
 from lit_spec.methods.method_module import MethodModule
 from lit_spec.models.draft_heads import DraftHeads
 from lit_spec.models.saved_heads import save_heads
 from lit_spec.serving.vllm_export import SUBDIR as VLLM_SUBDIR, write_vllm_export
 from lit_spec.strategies import unpartitioned_init, whole_parameters
+
+
+def check_cached_states(base_states, indices, num_layers: int, method: str) -> None:
+    """Cached base states (``data.base_states``, when enabled) must be the draft's feature layers (``indices``,
+    ``hidden_states``) and the last, in that order: what ``FrozenBaseModule.base_states`` splits them into."""
+    if base_states is None:
+        return
+    wanted = [*indices, num_layers]
+    if base_states.layers != wanted:
+        raise ConfigError(f"data.base_states.layers={base_states.layers}: method={method} reads hidden_states "
+                          f"{list(indices)} and the last layer; set data.base_states.layers={wanted}")
 
 
 class FrozenBaseModule(MethodModule):

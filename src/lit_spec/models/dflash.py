@@ -22,11 +22,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from lit_spec.errors import ConfigError, check_count
-from lit_spec.models.draft_heads import DraftHeads
+from lit_spec.models.draft_heads import DraftHeads, DraftRotary, layer_settings, swiglu, swiglu_mlp, target_widths
 
 
 def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -53,21 +52,16 @@ class DFlashLayer(nn.Module):
             "o_proj": nn.Linear(heads * head_dim, hidden_size, bias=False),
             "q_norm": nn.RMSNorm(head_dim, eps=eps), "k_norm": nn.RMSNorm(head_dim, eps=eps)})
         self.post_attention_layernorm = nn.RMSNorm(hidden_size, eps=eps)
-        self.mlp = nn.ModuleDict({name: nn.Linear(*shape, bias=False) for name, shape in (
-            ("gate_proj", (hidden_size, intermediate_size)), ("up_proj", (hidden_size, intermediate_size)),
-            ("down_proj", (intermediate_size, hidden_size)))})
+        self.mlp = swiglu_mlp(hidden_size, intermediate_size)
 
     def _heads(self, x: torch.Tensor, name: str, n: int) -> torch.Tensor:
         return self.self_attn[name](x).unflatten(-1, (n, self.head_dim)).transpose(1, 2)     # [B, n, Q, hd]
 
     def kv(self, x: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (normed, rotated) and values [B, kv_heads, Q, hd] of ``x`` [B, Q, H] (normed already)."""
+        """Keys (normed, rotated) and values [B, kv_heads, Q, hd] of ``x`` [B, Q, H] (normed already): the block's,
+        or the context ``c`` the layer reads."""
         k = self.self_attn["k_norm"](self._heads(x, "k_proj", self.kv_heads))
         return apply_rotary_pos_emb(k, k, *rotary)[1], self._heads(x, "v_proj", self.kv_heads)
-
-    def context_kv(self, context: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values this layer reads from the context ``c`` [B, T, H] (fused and normed)."""
-        return self.kv(context, rotary)
 
     def forward(self, h: torch.Tensor, rotary, context: tuple[torch.Tensor, torch.Tensor],
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -81,7 +75,7 @@ class DFlashLayer(nn.Module):
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         h = h + self.self_attn["o_proj"](attended.transpose(1, 2).flatten(-2))
         x = self.post_attention_layernorm(h)
-        return h + self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](x)) * self.mlp["up_proj"](x))
+        return h + swiglu(self.mlp, x)
 
 
 class DFlashDraft(DraftHeads):
@@ -105,12 +99,9 @@ class DFlashDraft(DraftHeads):
                               "draft reads (layer indices >= 0), or null for z-lab's")
         if not 0 <= mask_token_id < vocab_size:
             raise ConfigError(f"mask_token_id={mask_token_id}: a token id below the vocabulary size {vocab_size}")
-        self.settings = {"num_attention_heads": num_attention_heads,
-                         "num_key_value_heads": num_key_value_heads or num_attention_heads,
-                         "head_dim": head_dim or hidden_size // num_attention_heads,
-                         "intermediate_size": intermediate_size or 4 * hidden_size, "rms_norm_eps": rms_norm_eps,
-                         "rope_parameters": dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}),
-                         "max_position_embeddings": max_position_embeddings, "mask_token_id": int(mask_token_id)}
+        self.mask_token_id = int(mask_token_id)
+        self.settings = layer_settings(hidden_size, num_attention_heads, num_key_value_heads, head_dim,
+                                       intermediate_size, rms_norm_eps, rope_parameters, max_position_embeddings)
         s = self.settings
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden_size, hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(hidden_size, eps=rms_norm_eps)
@@ -119,9 +110,7 @@ class DFlashDraft(DraftHeads):
                                     for _ in range(self.num_layers))
         self.norm = nn.RMSNorm(hidden_size, eps=rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(hidden_size))
-        rope = {k: v for k, v in s.items() if k != "mask_token_id"}
-        self._rope_config = LlamaConfig(hidden_size=hidden_size, **rope)
-        self._rotary: dict[torch.device, nn.Module] = {}
+        self.rotary = DraftRotary(hidden_size, s)
         self._target: tuple[nn.Module, ...] = ()     # (embedding, LM head), bound by attach
 
     @classmethod
@@ -134,15 +123,13 @@ class DFlashDraft(DraftHeads):
                               "(partial rotary), which this draft does not model; choose a target with full rotary")
         return cls(config.hidden_size, config.vocab_size,
                    layer_ids or target_layer_ids(config.num_hidden_layers, num_layers), num_layers, block_size,
-                   config.num_attention_heads, getattr(config, "num_key_value_heads", None),
-                   getattr(config, "head_dim", None), config.intermediate_size, getattr(config, "rms_norm_eps", 1e-6),
-                   getattr(config, "rope_parameters", None), config.max_position_embeddings, mask_token_id)
+                   mask_token_id=mask_token_id, **target_widths(config))
 
     @property
     def config(self) -> dict:
         return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                 "target_layer_ids": self.target_layer_ids, "num_layers": self.num_layers,
-                "block_size": self.block_size, **self.settings}
+                "block_size": self.block_size, "mask_token_id": self.mask_token_id, **self.settings}
 
     @property
     def hidden_states(self) -> tuple[int, ...]:
@@ -170,18 +157,12 @@ class DFlashDraft(DraftHeads):
             raise RuntimeError("a dflash draft needs attach(target) before use")
         return self._target
 
-    def rotary_of(self, x: torch.Tensor, positions: torch.Tensor):
-        """transformers' Llama rotary (cos, sin) [B, Q, hd] of ``positions`` [B, Q] in ``x``'s dtype."""
-        if x.device not in self._rotary:
-            self._rotary[x.device] = LlamaRotaryEmbedding(self._rope_config).to(x.device)
-        return self._rotary[x.device](x, positions)
-
     def context(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's context keys and values [B, kv_heads, T, hd] of the target's ``features`` [B, T, kH] (the
         feature layers' outputs, concatenated) at ``positions`` [B, T]."""
         c = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
-        rotary = self.rotary_of(c, positions)
-        return [layer.context_kv(c, rotary) for layer in self.layers]
+        rotary = self.rotary(c, positions)
+        return [layer.kv(c, rotary) for layer in self.layers]
 
     def embed_block(self, tokens: torch.Tensor) -> torch.Tensor:
         """[B, Q] token ids, ``-1`` for a mask slot, -> [B, Q, H] embeddings."""
@@ -194,7 +175,7 @@ class DFlashDraft(DraftHeads):
         """The output states [B, Q, H] of blocks ``tokens`` [B, Q] (-1: mask) at ``positions`` [B, Q], seeing the
         ``context`` keys and values and one another where ``mask`` [B, 1, Q, T + Q] allows (None: all)."""
         h = self.embed_block(tokens)
-        rotary = self.rotary_of(h, positions)
+        rotary = self.rotary(h, positions)
         for layer, kv in zip(self.layers, context):
             h = layer(h, rotary, kv, mask)
         return h

@@ -23,8 +23,58 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from lit_spec.errors import ConfigError, check_count
+
+
+def layer_settings(hidden_size: int, num_attention_heads: int, num_key_value_heads: int | None = None,
+                   head_dim: int | None = None, intermediate_size: int | None = None, rms_norm_eps: float = 1e-6,
+                   rope_parameters: dict | None = None, max_position_embeddings: int = 2048) -> dict:
+    """The widths of a draft's own decoder layers (EAGLE-3's, DFlash's), defaults filled: every head its own keys,
+    head dim H / heads, an MLP of 4H, Llama's default rotary."""
+    return {"num_attention_heads": num_attention_heads,
+            "num_key_value_heads": num_key_value_heads or num_attention_heads,
+            "head_dim": head_dim or hidden_size // num_attention_heads,
+            "intermediate_size": intermediate_size or 4 * hidden_size, "rms_norm_eps": rms_norm_eps,
+            "rope_parameters": dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}),
+            "max_position_embeddings": max_position_embeddings}
+
+
+def target_widths(config) -> dict:
+    """A transformers target ``config``'s layer widths, as ``layer_settings``' keywords."""
+    return {"num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": getattr(config, "num_key_value_heads", None),
+            "head_dim": getattr(config, "head_dim", None), "intermediate_size": config.intermediate_size,
+            "rms_norm_eps": getattr(config, "rms_norm_eps", 1e-6),
+            "rope_parameters": getattr(config, "rope_parameters", None),
+            "max_position_embeddings": config.max_position_embeddings}
+
+
+class DraftRotary:
+    """transformers' Llama rotary (cos, sin) for a draft's own attention, built at first use per device (no meta copy
+    to fill); called with a tensor for the dtype and ``positions`` [B, Q]."""
+
+    def __init__(self, hidden_size: int, settings: dict):
+        self.config = LlamaConfig(hidden_size=hidden_size, **settings)
+        self.by_device: dict[torch.device, nn.Module] = {}
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor):
+        if x.device not in self.by_device:
+            self.by_device[x.device] = LlamaRotaryEmbedding(self.config).to(x.device)
+        return self.by_device[x.device](x, positions)
+
+
+def swiglu_mlp(hidden_size: int, intermediate_size: int) -> nn.ModuleDict:
+    """A Llama MLP under its checkpoint names (``gate_proj``, ``up_proj``, ``down_proj``); run by ``swiglu``."""
+    return nn.ModuleDict({name: nn.Linear(*shape, bias=False) for name, shape in (
+        ("gate_proj", (hidden_size, intermediate_size)), ("up_proj", (hidden_size, intermediate_size)),
+        ("down_proj", (intermediate_size, hidden_size)))})
+
+
+def swiglu(mlp: nn.ModuleDict, x: torch.Tensor) -> torch.Tensor:
+    return mlp["down_proj"](F.silu(mlp["gate_proj"](x)) * mlp["up_proj"](x))
 
 
 class ResBlock(nn.Module):

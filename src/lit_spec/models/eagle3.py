@@ -22,13 +22,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from lit_spec.errors import ConfigError, check_count
-from lit_spec.models.draft_heads import DraftHeads
+from lit_spec.models.draft_heads import DraftHeads, DraftRotary, layer_settings, swiglu, swiglu_mlp, target_widths
 
 
 def feature_layers(num_layers: int) -> list[int]:
@@ -92,9 +90,7 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm, self.hidden_norm = nn.RMSNorm(hidden_size, eps=eps), nn.RMSNorm(hidden_size, eps=eps)
         self.self_attn = Eagle3Attention(hidden_size, heads, kv_heads, head_dim)
         self.post_attention_layernorm = nn.RMSNorm(hidden_size, eps=eps)
-        self.mlp = nn.ModuleDict({name: nn.Linear(*shape, bias=False) for name, shape in (
-            ("gate_proj", (hidden_size, intermediate_size)), ("up_proj", (hidden_size, intermediate_size)),
-            ("down_proj", (intermediate_size, hidden_size)))})
+        self.mlp = swiglu_mlp(hidden_size, intermediate_size)
 
     def qkv(self, embeds: torch.Tensor, state: torch.Tensor, rotary):
         return self.self_attn.qkv(torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1), rotary)
@@ -103,7 +99,7 @@ class Eagle3Layer(nn.Module):
         """The residual stream after attention (``attended`` [B, heads, Q, hd]) and the MLP."""
         h = state + self.self_attn.out(attended)
         x = self.post_attention_layernorm(h)
-        return h + self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](x)) * self.mlp["up_proj"](x))
+        return h + swiglu(self.mlp, x)
 
 
 class Eagle3Draft(DraftHeads):
@@ -130,20 +126,15 @@ class Eagle3Draft(DraftHeads):
             # vLLM collects the target's states in ascending layer order: fc's input blocks must be in that order
             raise ConfigError(f"method.layers={layers}: list them in ascending order ({sorted(self.layers)}), the "
                               "order vLLM concatenates the target's states in")
-        self.settings = {"num_attention_heads": num_attention_heads,
-                         "num_key_value_heads": num_key_value_heads or num_attention_heads,
-                         "head_dim": head_dim or hidden_size // num_attention_heads,
-                         "intermediate_size": intermediate_size or 4 * hidden_size, "rms_norm_eps": rms_norm_eps,
-                         "rope_parameters": dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}),
-                         "max_position_embeddings": max_position_embeddings}
+        self.settings = layer_settings(hidden_size, num_attention_heads, num_key_value_heads, head_dim,
+                                       intermediate_size, rms_norm_eps, rope_parameters, max_position_embeddings)
         s = self.settings
         self.fc = nn.Linear(len(self.layers) * hidden_size, hidden_size, bias=False)
         self.midlayer = Eagle3Layer(hidden_size, s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"],
                                     s["intermediate_size"], rms_norm_eps)
         self.norm = nn.RMSNorm(hidden_size, eps=rms_norm_eps)
         self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
-        self._rope_config = LlamaConfig(hidden_size=hidden_size, **s)
-        self._rotary: dict[torch.device, nn.Module] = {}   # built at first use per device: no meta copy to fill
+        self.rotary = DraftRotary(hidden_size, s)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(vocab_size) < draft_vocab_size)    # until set_vocab: the first N
         self._embed: tuple[nn.Module, ...] = ()
@@ -153,10 +144,7 @@ class Eagle3Draft(DraftHeads):
         """A draft shaped after the target's ``config`` (a transformers config): its sizes, heads, rotary and
         norm; ``layers`` None: the authors' feature layers."""
         return cls(config.hidden_size, config.vocab_size, draft_vocab_size,
-                   layers or feature_layers(config.num_hidden_layers), config.num_attention_heads,
-                   getattr(config, "num_key_value_heads", None), getattr(config, "head_dim", None),
-                   config.intermediate_size, getattr(config, "rms_norm_eps", 1e-6),
-                   getattr(config, "rope_parameters", None), config.max_position_embeddings)
+                   layers or feature_layers(config.num_hidden_layers), **target_widths(config))
 
     @property
     def config(self) -> dict:
@@ -226,12 +214,6 @@ class Eagle3Draft(DraftHeads):
             hidden_states = torch.cat([hidden_states[t] for t in self.layers], dim=-1)
         return self.fc(hidden_states.to(self.fc.weight.dtype))
 
-    def rotary_of(self, state: torch.Tensor, positions: torch.Tensor):
-        """transformers' Llama rotary (cos, sin) of ``positions`` [B, Q] in ``state``'s dtype."""
-        if state.device not in self._rotary:
-            self._rotary[state.device] = LlamaRotaryEmbedding(self._rope_config).to(state.device)
-        return self._rotary[state.device](state, positions)
-
     def logits(self, state: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., N] of the layer's output state."""
         return self.lm_head(self.norm(state))
@@ -245,7 +227,7 @@ class Eagle3Draft(DraftHeads):
         allowed = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
         state, keys, chain, outputs = features, None, [], []
         for i in range(steps):
-            rotary = self.rotary_of(state, positions + i)
+            rotary = self.rotary(state, positions + i)
             q, k, v = self.midlayer.qkv(self.embed(shifted(ids, 1 + i)).to(state.dtype), state, rotary)
             if i == 0:
                 keys = (k, v)
