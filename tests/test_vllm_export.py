@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from lit_spec.errors import ConfigError
 from lit_spec.models.chimera import ChimeraDraft
+from lit_spec.models.dflash import DFlashDraft
 from lit_spec.models.draft_heads import MedusaHeads
 from lit_spec.models.eagle3 import Eagle3Draft
 from lit_spec.models.hidden_transfer import HiddenTransfer
@@ -50,6 +51,28 @@ def test_eagle3_is_written_under_vllms_names_with_its_trained_values(model, tmp_
     assert all(torch.equal(written[k], state[k]) for k in state)
     # vLLM's draft token i is target token i + d2t[i]: our draft ids
     assert torch.equal(torch.arange(32) + written["d2t"], draft.draft_ids)
+
+
+def test_dflash_is_written_under_vllms_names_with_its_mask_embedding_beside(model, tmp_path):
+    torch.manual_seed(0)
+    draft = DFlashDraft.for_target(model.config, 2, 8, layer_ids=[0, 0], mask_token_id=3)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_()
+    out = write_vllm_export(draft, None, tmp_path / "vllm", model.config.num_hidden_layers)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["model_type"]) == (["DFlashDraftModel"], "qwen3")
+    assert config["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [0, 0]}
+    assert config["num_hidden_layers"] == 2 and config["layer_types"] == ["full_attention"] * 2
+    written, state = load_file(out / "model.safetensors"), draft.state_dict()
+    mask = torch.load(out / "mask_embedding.pt", weights_only=True)
+    assert written.keys() == state.keys() - {"mask_embedding"}
+    assert all(torch.equal(written[k], state[k]) for k in written)
+    assert mask["mask_token_id"] == 3 and torch.equal(mask["embedding"], draft.mask_embedding)
+
+    (out / "mask_embedding.pt").unlink()          # vLLM would embed the mask slot as token 3: another draft
+    with pytest.raises(ConfigError, match="missing mask_embedding.pt"):
+        check_vllm_export(out)
 
 
 def test_medusa_heads_are_written_as_vllms_residual_blocks_and_lm_heads(model, tmp_path):

@@ -5,6 +5,11 @@ and shapes vLLM's loader builds from the written ``config.json``, so that no exp
   ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t`` (draft id -> target id offsets), ``t2d``; the target layers
   whose states it reads in ``eagle_config.eagle_aux_hidden_state_layer_ids`` (vLLM's id i is the input of layer i,
   transformers' ``hidden_states[i]``). Its embedding is the target's, which vLLM shares when the file has none.
+- DFlash: vLLM's ``DFlashDraftModel`` (``model_executor/models/qwen3_dflash.py``), weights under our names (``fc``,
+  ``hidden_norm``, ``layers.N.*``, ``norm``), the feature layers in ``dflash_config.target_layer_ids`` (z-lab's ids,
+  whose output is read; vLLM adds 1), every layer full attention and non-causal; the mask slot's embedding in
+  ``mask_embedding.pt``, which vLLM substitutes for ``mask_token_id``'s. The embedding and LM head are the target's,
+  which vLLM shares when the file has none.
 - Medusa: vLLM's ``MedusaModel`` (``model_executor/models/medusa.py``): ``blocks.{k}.layers.0`` (x + SiLU(Wx + b)),
   ``lm_heads.{k}``; vLLM drafts a chain of the heads' top-1 tokens.
 - A model (the distilled draft for ``draft_model``, CLLM and Jacobi Forcing served with ``ngram``): the
@@ -28,7 +33,7 @@ from lit_spec.models.draft_heads import DraftHeads
 
 log = logging.getLogger(__name__)
 SUBDIR = "vllm"                        # beside heads.safetensors in a frozen-base run's export_dir
-CONFIG, WEIGHTS = "config.json", "model.safetensors"
+CONFIG, WEIGHTS, MASK_EMBEDDING = "config.json", "model.safetensors", "mask_embedding.pt"
 
 
 def eagle3_layout(heads, state: dict) -> tuple[dict, dict]:
@@ -48,6 +53,21 @@ def eagle3_layout(heads, state: dict) -> tuple[dict, dict]:
     return config, dict(state)
 
 
+def dflash_layout(draft, state: dict) -> tuple[dict, dict]:
+    """(config.json, weights) of a ``DFlashDraft``; its ``mask_embedding`` goes to ``mask_embedding.pt``."""
+    s = draft.settings
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
+              "hidden_size": draft.hidden_size, "target_hidden_size": draft.hidden_size,
+              "intermediate_size": s["intermediate_size"], "num_attention_heads": s["num_attention_heads"],
+              "num_key_value_heads": s["num_key_value_heads"], "head_dim": s["head_dim"],
+              "num_hidden_layers": draft.num_layers, "layer_types": ["full_attention"] * draft.num_layers,
+              "attention_bias": False, "rms_norm_eps": s["rms_norm_eps"], "rope_parameters": s["rope_parameters"],
+              "max_position_embeddings": s["max_position_embeddings"], "vocab_size": draft.vocab_size,
+              "tie_word_embeddings": False, "block_size": draft.block_size,
+              "dflash_config": {"mask_token_id": draft.mask_token_id, "target_layer_ids": draft.target_layer_ids}}
+    return config, dict(state)
+
+
 def medusa_layout(heads, state: dict) -> tuple[dict, dict]:
     """(config.json, weights) of ``MedusaHeads`` with their own vocabulary projections."""
     config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": heads.hidden_size,
@@ -61,7 +81,7 @@ def medusa_layout(heads, state: dict) -> tuple[dict, dict]:
     return config, weights
 
 
-LAYOUTS = {"eagle3": eagle3_layout, "medusa": medusa_layout}
+LAYOUTS = {"eagle3": eagle3_layout, "dflash": dflash_layout, "medusa": medusa_layout}
 
 
 def unservable(heads: DraftHeads, target_layers: int) -> str | None:
@@ -87,10 +107,14 @@ def write_vllm_export(heads: DraftHeads, state: dict | None, directory: str | Pa
         log.info("no vLLM export: %s", reason)
         return None
     config, weights = LAYOUTS[heads.kind](heads, state or heads.state_dict())
+    mask = weights.pop("mask_embedding", None)
     directory = Path(directory)
     with atomic_dir(directory) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
         write_json(tmp / CONFIG, config)
+        if mask is not None:        # vLLM checks the id it names against dflash_config's
+            torch.save({"mask_token_id": config["dflash_config"]["mask_token_id"],
+                        "embedding": mask.detach().contiguous().cpu()}, tmp / MASK_EMBEDDING)
     check_vllm_export(directory)
     return directory
 
@@ -111,6 +135,20 @@ def expected_eagle3(c: dict) -> dict[str, tuple]:
     return shapes
 
 
+def expected_dflash(c: dict) -> dict[str, tuple]:
+    h, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    features = len(c["dflash_config"]["target_layer_ids"]) * c["target_hidden_size"]
+    shapes = {"fc.weight": (h, features), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    layer = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+             "self_attn.o_proj.weight": (h, q), "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+             "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (i, h),
+             "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+    for n in range(c["num_hidden_layers"]):
+        shapes |= {f"layers.{n}.{name}": shape for name, shape in layer.items()}
+    return shapes
+
+
 def expected_medusa(c: dict) -> dict[str, tuple]:
     h, v = c["hidden_size"], c["truncated_vocab_size"]
     shapes = {}
@@ -123,8 +161,24 @@ def expected_medusa(c: dict) -> dict[str, tuple]:
     return shapes
 
 
-EXPECTED = {"LlamaForCausalLMEagle3": expected_eagle3, "MedusaModel": expected_medusa}
+EXPECTED = {"LlamaForCausalLMEagle3": expected_eagle3, "DFlashDraftModel": expected_dflash,
+            "MedusaModel": expected_medusa}
 OPTIONAL = {"LlamaForCausalLMEagle3": {"d2t", "t2d"}}      # vLLM reads d2t where the vocabularies differ, skips t2d
+
+
+def mask_embedding_problems(directory: Path, config: dict) -> list[str]:
+    """Without ``mask_embedding.pt`` vLLM embeds the mask slot as the target's token ``mask_token_id``: silently
+    another draft than the one trained."""
+    if not (directory / MASK_EMBEDDING).is_file():
+        return [f"missing {MASK_EMBEDDING}"]
+    saved = torch.load(directory / MASK_EMBEDDING, weights_only=True)
+    problems = []
+    if saved["mask_token_id"] != config["dflash_config"]["mask_token_id"]:
+        problems.append(f"{MASK_EMBEDDING} names mask_token_id {saved['mask_token_id']}, the config "
+                        f"{config['dflash_config']['mask_token_id']}")
+    if tuple(saved["embedding"].shape) != (config["hidden_size"],):
+        problems.append(f"{MASK_EMBEDDING} is {tuple(saved['embedding'].shape)}, vLLM builds ({config['hidden_size']},)")
+    return problems
 
 
 def check_vllm_export(directory: str | Path) -> None:
@@ -143,6 +197,8 @@ def check_vllm_export(directory: str | Path) -> None:
     problems = [f"missing {k} {shape}" for k, shape in want.items() if k not in have]
     problems += [f"unexpected {k}" for k in have if k not in want and k not in OPTIONAL.get(arch, ())]
     problems += [f"{k} is {have[k]}, vLLM builds {shape}" for k, shape in want.items() if k in have and have[k] != shape]
+    if arch == "DFlashDraftModel":
+        problems += mask_embedding_problems(directory, config)
     if d2t is not None and not problems:
         ids = torch.arange(d2t.numel()) + d2t
         if int(ids.min()) < 0 or int(ids.max()) >= config["vocab_size"]:
