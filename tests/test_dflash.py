@@ -34,10 +34,12 @@ def dflash(model, seed: int = 0, block_size: int = 5, num_layers: int = 2) -> DF
 
 
 def test_feature_layers_follow_z_labs_rule():
-    """Evenly from layer 1 to n - 3 (Qwen3-8B: 36 layers, 5 draft layers -> 1, 9, 17, 25, 33); one draft layer reads
-    the middle; the features are ``hidden_states`` indices one above the layer ids."""
+    """Evenly from layer 1 to n - 3 (Qwen3-8B: 36 layers, 5 draft layers -> 1, 9, 17, 25, 33, SpecForge's
+    qwen3-8b-dflash.json); one draft layer reads the middle; the features are ``hidden_states`` indices one above the layer ids."""
     assert target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert target_layer_ids(30, 1) == [15] and target_layer_ids(30, 2) == [1, 27]
+    # a target too small for the rule: never its last layer
+    assert target_layer_ids(2, 5) == [0] * 5 and target_layer_ids(3, 2) == [1, 1] and target_layer_ids(2, 1) == [0]
     draft = DFlashDraft.for_target(random_model("llama", layers=8).config, 3, 16)
     assert draft.target_layer_ids == [1, 3, 5] and draft.hidden_states == (2, 4, 6)
 

@@ -24,6 +24,7 @@ from lit_spec.errors import ConfigError
 from lit_spec.models import train_bpe_tokenizer
 from lit_spec.models.chimera import ChimeraDraft
 from lit_spec.models.draft_heads import MedusaHeads
+from lit_spec.models.dflash import DFlashDraft
 from lit_spec.models.eagle3 import Eagle3Draft
 from lit_spec.models.hidden_transfer import HiddenTransfer
 from lit_spec.stages import ensure_stages, find_stages
@@ -149,7 +150,8 @@ def test_smollm2_decoders_equal_transformers_greedy_generate(smollm2):
     transformers' greedy generate. The drafting methods get a draft that shares the vocabulary and agrees with the
     target on ~70% of tokens (SmolLM2 with weight noise), so both acceptance and rejection happen; the heads methods
     get untrained heads (Medusa's and Chimera's sharing the LM head, also drafting from a 256-token subset, Hidden
-    Transfer's maps at the quickstart's layers, an EAGLE-3 draft as a chain, a static and a dynamic tree)."""
+    Transfer's maps at the quickstart's layers, an EAGLE-3 draft as a chain, a static and a dynamic tree, a DFlash draft's
+    block as a chain and as a tree of its slots' top-k)."""
     model, tok = smollm2
     c = model.config
     assert c.num_hidden_layers == 30 and c.vocab_size == 49152 and tok.chat_template
@@ -164,6 +166,7 @@ def test_smollm2_decoders_equal_transformers_greedy_generate(smollm2):
     for heads in (medusa, chimera):      # token counts for draft_vocab (FR-Spec): the prompts' tokens
         heads.count_tokens(torch.cat([ids[0] for ids in prompts]))
     eagle3 = Eagle3Draft.for_target(c, 4096).init_from_base(model, counts).eval()     # features at 2, 15, 27
+    dflash = DFlashDraft.for_target(c, 2, 8).init_from_base(model).eval()            # features after 1 and 27
     methods = [("ar", {}), ("jacobi", {"n_tokens": 8}), ("multiblock", {"n_tokens": 8, "blocks": 2, "spawn_ratio": 0.5}),
                ("lookahead", {"window": 4, "ngram": 3, "guesses": 4}),
                ("prompt_lookup", {}), ("speculative", {"draft_model": draft, "gamma": 4}),
@@ -174,7 +177,8 @@ def test_smollm2_decoders_equal_transformers_greedy_generate(smollm2):
                ("chimera", {"heads": chimera, "tree": [2, 1], "draft_vocab": 256}),
                ("hidden_transfer", {"transfer": transfer, "tree": [2, 1]}),
                ("eagle3", {"heads": eagle3, "tree": [1, 1, 1]}), ("eagle3", {"heads": eagle3, "tree": [2, 1]}),
-               ("eagle3", {"heads": eagle3, "depth": 3, "top_k": 3, "total_tokens": 6})]
+               ("eagle3", {"heads": eagle3, "depth": 3, "top_k": 3, "total_tokens": 6}),
+               ("dflash", {"heads": dflash}), ("dflash", {"heads": dflash, "tree": [2, 2, 1]})]
     drafted = accepted = 0
     for ids in prompts:
         reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,

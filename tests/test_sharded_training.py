@@ -28,6 +28,7 @@ from lit_spec.decoding import generate
 from lit_spec.serving.vllm_export import check_vllm_export
 from test_cllm import write_trajectories
 from test_draft_distill import STUDENT
+from test_dflash import DFLASH
 from test_eagle3 import EAGLE3
 
 pytestmark = pytest.mark.distributed
@@ -41,7 +42,8 @@ TWO_RANKS = ["trainer.devices=2", "trainer.log_every_n_steps=1", "trainer.max_st
              "callbacks.model_checkpoint.monitor=null", "callbacks.speedup.drift_data=null"]
 BASE_CHECK = ["+callbacks.base_unchanged._target_=sharded_checks.FrozenBaseUnchanged"]
 HEADS = {"chimera": ["method=chimera"], "medusa": ["method=medusa"],
-         "hidden_transfer": ["method=hidden_transfer", "method.layers=[1,2]", "method.tree=[2,1]"], "eagle3": EAGLE3}
+         "hidden_transfer": ["method=hidden_transfer", "method.layers=[1,2]", "method.tree=[2,1]"], "eagle3": EAGLE3,
+         "dflash": DFLASH}
 # method -> (overrides, the decoder the speedup callback measures besides AR)
 AR_JACOBI = ["callbacks.speedup.extra_decoders={jacobi: {n_tokens: 4}}"]
 METHODS = {"ar": (AR_JACOBI, "jacobi"),
@@ -57,8 +59,8 @@ METHODS = {"ar": (AR_JACOBI, "jacobi"),
 ZERO = ["deepspeed_zero2", "deepspeed_zero3"]
 LORA = ("ar_lora", "ar_lora_checkpointing")
 # Every method under the card's ZeRO-3 in fp32 (trains, exports, and resumes, but where a method's checkpoint holds
-# what another's does: AR and Jacobi Forcing a trained model, as CLLM; Hidden Transfer's linear maps, trained heads as
-# Medusa's). ZeRO-2 and FSDP2 in fp32: CLLM (a trained model beside its frozen original), Medusa (trained heads on a
+# what another's does: AR and Jacobi Forcing a trained model, as CLLM; Hidden Transfer's linear maps and DFlash's
+# draft, trained heads as Medusa's). ZeRO-2 and FSDP2 in fp32: CLLM (a trained model beside its frozen original), Medusa (trained heads on a
 # frozen base, standing for the other heads) and AR under FSDP2.
 # bf16-mixed, the GPU's precision, under every strategy, with the dtypes the precision policy states, by the methods
 # whose trained parts the strategy treats differently:
@@ -67,14 +69,14 @@ LORA = ("ar_lora", "ar_lora_checkpointing")
 # - ZeRO-3, the card's: CLLM and Medusa (each resumed), packed CLLM (Jacobi Forcing's step), EAGLE-3 (its draft
 #   vocabulary maps), the distilled draft (a second model), LoRA adapters (resumed; and under checkpointing, as the
 #   7B-70B configs run it: a frozen ZeRO-3 base recomputed, DeepSpeed#8148);
-# - FSDP2, which wraps each trained module in its own way: AR, CLLM, Chimera, Medusa, EAGLE-3, the distilled draft,
-#   LoRA adapters.
-NO_FP32_RESUME = ("ar", "jacobi_forcing", "hidden_transfer")
+# - FSDP2, which wraps each trained module in its own way: AR, CLLM, Chimera, Medusa, EAGLE-3, DFlash (whose
+#   context and logits run outside forward), the distilled draft, LoRA adapters.
+NO_FP32_RESUME = ("ar", "jacobi_forcing", "hidden_transfer", "dflash")
 MATRIX = [(m, "deepspeed_zero3") for m in METHODS if m not in (*LORA, "cllm_packed")] + [
     (m, "deepspeed_zero2") for m in ("cllm", "medusa")] + [(m, "fsdp") for m in ("ar", "cllm", "medusa")]
 BF16_STRATEGIES = {"ddp": ("cllm", "medusa"), "deepspeed_zero2": ("cllm", "medusa"),
                    "deepspeed_zero3": ("cllm", "cllm_packed", "medusa", "eagle3", "draft_distill", *LORA),
-                   "fsdp": ("ar", "cllm", "chimera", "medusa", "eagle3", "draft_distill", "ar_lora")}
+                   "fsdp": ("ar", "cllm", "chimera", "medusa", "eagle3", "dflash", "draft_distill", "ar_lora")}
 BF16_MATRIX = [(m, s) for s, methods in BF16_STRATEGIES.items() for m in methods]
 # resumed in bf16 under ZeRO-3 (bf16 weights, fp32 masters): a trained model, trained heads, LoRA adapters
 BF16_RESUMES = ("cllm", "medusa", "ar_lora")
@@ -209,7 +211,7 @@ def check_export(method: str, export: Path, base_dir: str, initial: dict[str, to
         assert heads and all(v.numel() > 0 for v in heads.values()), "every tensor whole, none a ZeRO-3 partition"
         if method == "eagle3":
             assert heads["d2t"].any(), "the draft vocabulary of the training answers, not the first ids"
-        if method == "medusa":       # vLLM's layout too, whole (a ZeRO-3 partition is a misshapen weight there)
+        if method in ("medusa", "dflash"):   # vLLM's layout too, whole (a ZeRO-3 partition: a misshapen weight)
             check_vllm_export(export / "vllm")
         draft = {"transfer": str(export), "tree": [2, 1]} if method == "hidden_transfer" else {"heads": str(export)}
         out = generate(base, ids, method, max_new_tokens=12, **draft)

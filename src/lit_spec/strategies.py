@@ -177,8 +177,9 @@ def fully_shard_model(model: torch.nn.Module, mesh, mp_policy=None) -> None:
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-    for name in getattr(model, "forward_methods", ()):    # entry points besides forward (Chimera's head_inputs)
-        register_fsdp_forward_method(model, name)
+    for unit in (*blocks, model):   # entry points besides forward (Chimera's head_inputs, a DFlash layer's context_kv)
+        for name in getattr(unit, "forward_methods", ()):
+            register_fsdp_forward_method(unit, name)
 
 
 # ---- the sharding questions, asked here alone ---------------------------------------------------------------------

@@ -30,15 +30,20 @@ from lit_spec.models.draft_heads import DraftHeads, DraftRotary, layer_settings,
 
 def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """z-lab's feature layers: ``num_draft_layers`` target layers spaced evenly from layer 1 to n - 3 (one draft
-    layer: the middle one), as layer indices whose output is read."""
+    layer: the middle one), as layer indices whose output is read; never the last layer (n - 1), whose output
+    transformers returns normed, so a target of 2 or 3 layers gets its first or second."""
+    last = num_target_layers - 2
     if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, max(num_target_layers - 3, 1)
+        return [min(num_target_layers // 2, last)]
+    start = min(1, last)
+    end = max(num_target_layers - 3, start)
     return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
 class DFlashLayer(nn.Module):
     """One Qwen3 decoder layer whose keys and values also come from the context (``context_kv``)."""
+
+    forward_methods = ("context_kv",)     # called besides forward: FSDP2 gathers the weights for it
 
     def __init__(self, hidden_size: int, heads: int, kv_heads: int, head_dim: int, intermediate_size: int,
                  eps: float):
@@ -57,11 +62,15 @@ class DFlashLayer(nn.Module):
     def _heads(self, x: torch.Tensor, name: str, n: int) -> torch.Tensor:
         return self.self_attn[name](x).unflatten(-1, (n, self.head_dim)).transpose(1, 2)     # [B, n, Q, hd]
 
-    def kv(self, x: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (normed, rotated) and values [B, kv_heads, Q, hd] of ``x`` [B, Q, H] (normed already): the block's,
-        or the context ``c`` the layer reads."""
+    def _kv(self, x: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values [B, kv_heads, Q, hd] of ``x`` [B, Q, H] (normed already)."""
         k = self.self_attn["k_norm"](self._heads(x, "k_proj", self.kv_heads))
         return apply_rotary_pos_emb(k, k, *rotary)[1], self._heads(x, "v_proj", self.kv_heads)
+
+    def context_kv(self, c: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the context ``c`` (an entry point of its own: FSDP2 reshards after it, so
+        ``forward`` calls ``_kv``)."""
+        return self._kv(c, rotary)
 
     def forward(self, h: torch.Tensor, rotary, context: tuple[torch.Tensor, torch.Tensor],
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -69,7 +78,7 @@ class DFlashLayer(nn.Module):
         ``mask`` [B, 1, Q, T + Q] allows (None: all of them)."""
         x = self.input_layernorm(h)
         q = self.self_attn["q_norm"](self._heads(x, "q_proj", self.heads))
-        k, v = self.kv(x, rotary)
+        k, v = self._kv(x, rotary)
         q = apply_rotary_pos_emb(q, q, *rotary)[0]
         keys, values = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
@@ -162,7 +171,7 @@ class DFlashDraft(DraftHeads):
         feature layers' outputs, concatenated) at ``positions`` [B, T]."""
         c = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         rotary = self.rotary(c, positions)
-        return [layer.kv(c, rotary) for layer in self.layers]
+        return [layer.context_kv(c, rotary) for layer in self.layers]
 
     def embed_block(self, tokens: torch.Tensor) -> torch.Tensor:
         """[B, Q] token ids, ``-1`` for a mask slot, -> [B, Q, H] embeddings."""
