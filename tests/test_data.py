@@ -450,9 +450,10 @@ def test_sharegpt_uses_the_tokenizers_own_chat_template(tmp_path):
     assert "USER:" not in prompt
 
 
-def test_sharegpt_and_ultrachat_mix_split_by_split(tmp_path):
-    """data=sharegpt_ultrachat (EAGLE-3's prompts): both sources' first turns in one dataset, ShareGPT's records then
-    UltraChat's in each split; a record without a user-then-assistant start is dropped from either."""
+def test_sharegpt_and_ultrachat_mix_every_assistant_turn_split_by_split(tmp_path):
+    """data=sharegpt_ultrachat (EAGLE-3's prompts): both sources in one dataset, a record per assistant reply to a user
+    turn, after the conversation's earlier turns in the chat template (a system turn too); a conversation without one
+    gives none."""
     tok = train_bpe_tokenizer(["hello there", "general kenobi"] * 4, vocab_size=280)
     tok.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
     ultrachat = [{"prompt_id": str(i), "messages": [{"role": "user", "content": f"Name a colour, {i}."},
@@ -462,11 +463,19 @@ def test_sharegpt_and_ultrachat_mix_split_by_split(tmp_path):
     ultrachat = write_rows(ultrachat, tmp_path / "ultra" / "train_sft.json")
     dm = setup_datamodule(tok, "data=sharegpt_ultrachat", f"data.source.sources.sharegpt.path={sharegpt}",
                           f"data.source.sources.ultrachat.path={ultrachat}")
-    prompts = [tok.decode(p) for split in ("train", "validation") for p in dm.splits[split]["prompt_ids"]]
-    assert len(prompts) == 20 + 10
-    assert sum("haiku" in p for p in prompts) == 20 and sum("colour" in p for p in prompts) == 10
+    records = [(tok.decode(r["prompt_ids"]), tok.decode(r["answer_ids"][:-1])) for split in ("train", "validation")
+               for r in dm.splits[split]]
+    assert len(records) == 2 * 20 + 1 + 10
+    assert sum(p.endswith("number 7.") for p, _ in records) == 1
+    second = [(p, a) for p, a in records if p.endswith("<|user|>Another one?")]
+    assert len(second) == 20 and all(a == "No." and "<|assistant|>Number" in p for p, a in second)
+    assert [p for p, _ in records if p.startswith("<|system|>")] == ["<|system|>Be terse.<|user|>Hi"]
+    assert sum("colour" in p for p, _ in records) == 10
     with pytest.raises(DataError, match="data.path is not supported by MixedSource"):
         setup_datamodule(tok, "data=sharegpt_ultrachat", f"data.path={sharegpt}")
+    with pytest.raises(DataError, match="earlier turns .* set data.template.chat=true"):
+        setup_datamodule(tok, "data=sharegpt_ultrachat", f"data.source.sources.sharegpt.path={sharegpt}",
+                         f"data.source.sources.ultrachat.path={ultrachat}", "data.template.chat=false")
 
 
 def test_chat_template_missing_everywhere(tok, tmp_path):

@@ -192,7 +192,8 @@ class PromptDataModule(AnswerBatches):
     # ---- building -------------------------------------------------------------------------------------------
     def _tokenize(self, record: dict) -> dict:
         prompt, answer = self.template.render(record)
-        prompt_ids = self.template.prompt_ids(self.tokenizer, prompt)
+        history = json.loads(record["history"]) if record.get("history") else None
+        prompt_ids = self.template.prompt_ids(self.tokenizer, prompt, history)
         answer_ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
         if len(answer_ids) < self.max_answer_tokens:
             answer_ids = answer_ids + [self.tokenizer.eos_token_id]  # a finished answer ends in EOS

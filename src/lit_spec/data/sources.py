@@ -8,7 +8,9 @@ that one split and leaves the others empty.
 
 from __future__ import annotations
 
+import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -156,11 +158,22 @@ class HFSource:
         if self.eval_split:  # before record_fn: the splits left out are never processed
             dd = _only_split(dd, self.eval_split)
         if self.record_fn is not None:
-            fn = self.record_fn
-            dd = dd.filter(lambda r: fn(r) is not None).map(fn)
+            dd = dd.map(partial(_records_of, self.record_fn), batched=True,
+                        remove_columns=next(iter(dd.values())).column_names)
         if self.eval_split:
             return dd
         return _complete_splits(dd, self.val_fraction, self.test_fraction, self.seed)
+
+
+def _records_of(fn: Callable[[dict], dict | list[dict] | None], batch: dict) -> dict:
+    """A batch of records through ``record_fn``, which gives a record's new fields (None: drop it; a list: one record
+    each, e.g. a conversation's turns), beside its own."""
+    rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    out = []
+    for row in rows:
+        made = fn(row)
+        out += [row | r for r in ([] if made is None else [made] if isinstance(made, dict) else made)]
+    return {k: [r[k] for r in out] for k in (out[0] if out else batch)}
 
 
 class MixedSource:
@@ -213,6 +226,9 @@ def _stdlib_pairs(root, seed, val_fraction, test_fraction, filters, fingerprint)
     yield from stdlib_code.iter_pairs(root, seed, val_fraction, test_fraction, **filters)
 
 
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+
+
 def sharegpt_first_turn(record: dict) -> dict | None:
     """ShareGPT: the first human turn is the prompt, the assistant's reply the answer (CLLM's MT-bench setup)."""
     turns = record.get("conversations") or []
@@ -227,6 +243,31 @@ def chat_first_turn(record: dict) -> dict | None:
     if len(turns) < 2 or turns[0].get("role") != "user" or turns[1].get("role") != "assistant":
         return None
     return {"prompt": turns[0]["content"], "answer": turns[1]["content"]}
+
+
+def every_turn(messages: list[dict]) -> list[dict]:
+    """One record per assistant reply that follows a user turn: that turn the ``prompt``, the reply the ``answer``,
+    the messages before it the ``history`` (JSON role/content turns, rendered by the chat template). A conversation
+    is read up to its first turn of a role other than system, user and assistant."""
+    records = []
+    for i, turn in enumerate(messages):
+        if turn["role"] not in ("system", "user", "assistant"):
+            break
+        if i and turn["role"] == "assistant" and messages[i - 1]["role"] == "user":
+            records.append({"prompt": messages[i - 1]["content"], "answer": turn["content"],
+                            "history": json.dumps(messages[: i - 1])})
+    return records
+
+
+def sharegpt_turns(record: dict) -> list[dict]:
+    """ShareGPT, every assistant turn (EAGLE-3's and SpecForge's training data): ``every_turn``."""
+    return every_turn([{"role": SHAREGPT_ROLES.get(t.get("from"), t.get("from")), "content": t.get("value")}
+                       for t in record.get("conversations") or []])
+
+
+def chat_turns(record: dict) -> list[dict]:
+    """UltraChat (``messages``: role/content turns), every assistant turn: ``every_turn``."""
+    return every_turn([{"role": t.get("role"), "content": t.get("content")} for t in record.get("messages") or []])
 
 
 def mbpp_tests(record: dict) -> dict:

@@ -47,7 +47,8 @@ class PromptTemplate:
     Args:
         prompt: format string of the prompt, e.g. ``"Question: {question}\\nAnswer: "``.
         answer: format string of the target answer, e.g. ``"{answer}"``.
-        chat: wrap the prompt as the user turn of the tokenizer's chat template (ShareGPT, chat models);
+        chat: wrap the prompt as the user turn of the tokenizer's chat template (ShareGPT, chat models), after a
+            record's ``history`` (JSON role/content turns: a conversation's earlier turns);
             ``fallback_chat_template`` is used when the tokenizer has none (e.g. Vicuna's v1.1 format).
         system: optional system message for chat prompts.
     """
@@ -67,11 +68,15 @@ class PromptTemplate:
     def render(self, record: Mapping) -> tuple[str, str]:
         return _format(self.prompt, record, "prompt"), _format(self.answer, record, "answer")
 
-    def prompt_ids(self, tokenizer, prompt: str) -> list[int]:
+    def prompt_ids(self, tokenizer, prompt: str, history: list[dict] | None = None) -> list[int]:
+        """The prompt's token ids; ``history``: the conversation's earlier turns (role/content), before it."""
         if not self.chat:
+            if history:
+                raise DataError("a record with earlier turns (a conversation's later turn) needs a chat template: "
+                                "set data.template.chat=true")
             return tokenizer(prompt, add_special_tokens=True)["input_ids"]
         messages = ([{"role": "system", "content": self.system}] if self.system else [])
-        messages.append({"role": "user", "content": prompt})
+        messages += [*(history or []), {"role": "user", "content": prompt}]
         template = None if tokenizer.chat_template else self.fallback_chat_template
         if template is None and not tokenizer.chat_template:
             raise DataError("data.template.chat=true but the tokenizer has no chat template; "
