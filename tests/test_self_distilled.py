@@ -85,6 +85,10 @@ def test_the_answers_stage_collects_once_under_its_own_key(answers, tmp_path, mo
     assert stages.ensure_stages(train_config(tmp_path))[-1].output == out
     other = stages.find_stages(train_config(tmp_path, "collect.max_new_tokens=12"))[-1]
     assert other.output != out and not other.built()   # another setting: another key
+    by_vllm = train_config(tmp_path)
+    by_vllm.data.engine = "vllm"          # vLLM's answers are these records (tests/test_serving.py): the same stage
+    stage = stages.find_stages(by_vllm)[-1]
+    assert stage.output == out and stage.config.collect.engine == "vllm"
 
 
 def test_batches_hold_the_target_answers_and_callbacks_score_the_dataset_answers(answers):

@@ -118,6 +118,8 @@ def collection_stage(kind: str, node: DictConfig) -> Stage:
     with open_dict(cfg):
         cfg.collect.out_dir = str(out)
         cfg.paths.output_dir = str(out)  # the trainer's default_root_dir (nothing is written there in predict)
+        if node.get("engine"):   # set after hashing: vLLM's greedy answers are lit_spec's (checked), the same stage
+            cfg.collect.engine = node.engine
     meta = out / META
     return Stage(out.name, cfg, out, partial(run_collection_stage, cfg), lambda: _complete(out), meta.is_file,
                  partial(_one_process, cfg, overrides))

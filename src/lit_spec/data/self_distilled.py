@@ -25,7 +25,8 @@ class SelfDistilledDataModule(AnswerBatches):
     Args:
         tokenizer: the target's (its pad token pads).
         path: a collected directory (the ``answers`` stage sets it when the config leaves it null).
-        collect, cache_dir: that stage's ``conf/collect.yaml`` overrides and cache (read by the stage, not here).
+        collect, engine, cache_dir: that stage's ``conf/collect.yaml`` overrides, engine and cache (read by the stage,
+            not here).
         max_train_records: train on the first this many kept train records only (data-size ablations).
         max_answer_tokens: cut every answer to this many tokens (null: as collected).
         base_states: ``BaseStates``: when enabled, batches also hold the frozen base's cached last hidden states and
@@ -36,7 +37,7 @@ class SelfDistilledDataModule(AnswerBatches):
     eval_answers = "reference_ids"
 
     def __init__(self, tokenizer=None, path: str | None = None, collect: list[str] | None = None,
-                 cache_dir: str | None = None, max_train_records: int | None = None,
+                 engine: str | None = None, cache_dir: str | None = None, max_train_records: int | None = None,
                  max_answer_tokens: int | None = None, base_states: BaseStates | None = None, batch_size: int = 8,
                  eval_batch_size: int | None = None, num_workers: int = 0, shuffle_seed: int = 0,
                  metric: str | None = None):
