@@ -59,9 +59,10 @@ def _first_difference(a, b, path: str = "") -> str:
 
 
 def collection_config(cfg: DictConfig, model_spec) -> dict:
-    """What a collection's output depends on (stored in meta.json; a resume must match it)."""
+    """What a collection's output depends on (stored in meta.json; a resume must match it). Not the engine: vLLM's
+    answers are lit_spec's, so a collection begun by one resumes in the other."""
     collect = OmegaConf.to_container(cfg.collect, resolve=True)
-    for key in NOT_COLLECTED:
+    for key in (*NOT_COLLECTED, "engine"):
         collect.pop(key, None)
     config = {"model": model_spec.to_dict(), "data": OmegaConf.to_container(cfg.data, resolve=True),
               "collect": collect}

@@ -36,8 +36,8 @@ SUBDIR = "vllm"                        # beside heads.safetensors in a frozen-ba
 CONFIG, WEIGHTS, MASK_EMBEDDING = "config.json", "model.safetensors", "mask_embedding.pt"
 
 
-def eagle3_layout(heads, state: dict) -> tuple[dict, dict]:
-    """(config.json, weights) of an ``Eagle3Draft``: the weights keep their names, which are vLLM's."""
+def eagle3_layout(heads, state: dict) -> tuple[dict, dict, dict]:
+    """(config.json, weights, other files) of an ``Eagle3Draft``: the weights keep their names, which are vLLM's."""
     s = heads.settings
     config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
               "hidden_size": heads.hidden_size, "target_hidden_size": heads.hidden_size,
@@ -50,11 +50,12 @@ def eagle3_layout(heads, state: dict) -> tuple[dict, dict]:
               # versions eagle_config
               "eagle_aux_hidden_state_layer_ids": heads.layers,
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": heads.layers, "use_aux_hidden_state": True}}
-    return config, dict(state)
+    return config, dict(state), {}
 
 
-def dflash_layout(draft, state: dict) -> tuple[dict, dict]:
-    """(config.json, weights) of a ``DFlashDraft``; its ``mask_embedding`` goes to ``mask_embedding.pt``."""
+def dflash_layout(draft, state: dict) -> tuple[dict, dict, dict]:
+    """(config.json, weights, other files) of a ``DFlashDraft``: its ``mask_embedding`` in ``mask_embedding.pt``, with
+    the id it stands for (vLLM checks it against dflash_config's)."""
     s = draft.settings
     config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
               "hidden_size": draft.hidden_size, "target_hidden_size": draft.hidden_size,
@@ -65,11 +66,13 @@ def dflash_layout(draft, state: dict) -> tuple[dict, dict]:
               "max_position_embeddings": s["max_position_embeddings"], "vocab_size": draft.vocab_size,
               "tie_word_embeddings": False, "block_size": draft.block_size,
               "dflash_config": {"mask_token_id": draft.mask_token_id, "target_layer_ids": draft.target_layer_ids}}
-    return config, dict(state)
+    weights = dict(state)
+    mask = {"mask_token_id": draft.mask_token_id, "embedding": weights.pop("mask_embedding").detach().cpu()}
+    return config, weights, {MASK_EMBEDDING: mask}
 
 
-def medusa_layout(heads, state: dict) -> tuple[dict, dict]:
-    """(config.json, weights) of ``MedusaHeads`` with their own vocabulary projections."""
+def medusa_layout(heads, state: dict) -> tuple[dict, dict, dict]:
+    """(config.json, weights, other files) of ``MedusaHeads`` with their own vocabulary projections."""
     config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": heads.hidden_size,
               "vocab_size": heads.vocab_size, "truncated_vocab_size": heads.vocab_size, "num_heads": heads.num_heads,
               "num_hidden_layers": 1, "medusa_fc_bias": True}
@@ -78,7 +81,7 @@ def medusa_layout(heads, state: dict) -> tuple[dict, dict]:
         weights[f"blocks.{k}.layers.0.weight"] = state[f"heads.{k}.block.linear.weight"]
         weights[f"blocks.{k}.layers.0.bias"] = state[f"heads.{k}.block.linear.bias"]
         weights[f"lm_heads.{k}.weight"] = state[f"heads.{k}.out.weight"]
-    return config, weights
+    return config, weights, {}
 
 
 LAYOUTS = {"eagle3": eagle3_layout, "dflash": dflash_layout, "medusa": medusa_layout}
@@ -106,15 +109,13 @@ def write_vllm_export(heads: DraftHeads, state: dict | None, directory: str | Pa
     if reason is not None:
         log.info("no vLLM export: %s", reason)
         return None
-    config, weights = LAYOUTS[heads.kind](heads, state or heads.state_dict())
-    mask = weights.pop("mask_embedding", None)
+    config, weights, files = LAYOUTS[heads.kind](heads, state or heads.state_dict())
     directory = Path(directory)
     with atomic_dir(directory) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
         write_json(tmp / CONFIG, config)
-        if mask is not None:        # vLLM checks the id it names against dflash_config's
-            torch.save({"mask_token_id": config["dflash_config"]["mask_token_id"],
-                        "embedding": mask.detach().contiguous().cpu()}, tmp / MASK_EMBEDDING)
+        for name, content in files.items():
+            torch.save(content, tmp / name)
     check_vllm_export(directory)
     return directory
 

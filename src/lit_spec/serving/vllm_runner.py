@@ -121,8 +121,8 @@ def _work(request: dict, result: Path, poll: Callable[[], None] | None = None) -
 
 def speculative_config(kind: str, directory: str | Path, num_tokens: int) -> dict:
     """vLLM's ``--speculative-config`` for a lit_spec export: ``eagle3`` / ``medusa`` / ``dflash`` (the export's
-    ``vllm/`` directory; a DFlash block of B drafts B - 1 tokens), ``draft_model`` (a model), ``ngram`` (prompt lookup, no directory; n-grams of 3 down to 1, as our
-    ``prompt_lookup``'s defaults)."""
+    ``vllm/`` directory; a DFlash block of B drafts B - 1 tokens), ``draft_model`` (a model), ``ngram`` (prompt
+    lookup, no directory; n-grams of 3 down to 1, as our ``prompt_lookup``'s defaults)."""
     if kind == "ngram":
         return {"method": "ngram", "num_speculative_tokens": num_tokens, "prompt_lookup_max": 3,
                 "prompt_lookup_min": 1}
