@@ -113,3 +113,22 @@ def greedy_with_mid_output_eos(model, ids, mask, max_new_tokens: int, not_before
                            ids.size(1), free[k])
     assert ref[-1] == free[k] and len(ref) == k + 1
     return k, free[k], ref
+
+
+def check_drafting_decoder(model, method: str, trees, **draft) -> None:
+    """``method`` (``draft``: its draft) under each of ``trees`` on three prompts: token-identical to transformers'
+    greedy ``generate``, drafting each time; and stopped by an EOS inside an accepted path."""
+    from lit_spec.decoding import generate
+
+    for p, (length, new) in enumerate([(3, 30), (10, 24), (6, 17)]):
+        ids, mask = random_prompts(1, [length], seed=20 + p)
+        ref = reference_greedy(model, ids, mask, new)
+        for tree in trees:
+            out = generate(model, ids, method, max_new_tokens=new, tree=tree, **draft)
+            assert torch.equal(out.sequences, ref), (tree, p)
+            assert out.stats.new_tokens == new and out.stats.draft_forwards > 0
+    ids, mask = random_prompts(1, [5], seed=9)
+    _, eos, ref = greedy_with_mid_output_eos(model, ids, mask, 30, not_before=3)
+    for tree in trees:
+        out = generate(model, ids, method, max_new_tokens=30, eos_token_id=eos, tree=tree, **draft)
+        assert out.sequences[0, ids.size(1):].tolist()[: len(ref)] == ref, tree

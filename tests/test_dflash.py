@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import built_method, heads_training_step
-from random_models import ARCHS, greedy_with_mid_output_eos, random_model, random_prompts, reference_greedy
+from random_models import ARCHS, check_drafting_decoder, random_model, random_prompts, reference_greedy
 
 from lit_spec.decoding import generate
 from lit_spec.decoding.dflash import DFlashCandidates
@@ -72,18 +72,7 @@ def test_a_block_from_cached_context_is_the_draft_over_the_whole_context(models)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_identical_to_generate(models, arch):
     model = models[arch]
-    draft = dflash(model)
-    for p, (length, new) in enumerate([(3, 30), (10, 24), (6, 17)]):
-        ids, mask = random_prompts(1, [length], seed=20 + p)
-        ref = reference_greedy(model, ids, mask, new)
-        for tree in TREES:
-            out = generate(model, ids, "dflash", max_new_tokens=new, heads=draft, tree=tree)
-            assert torch.equal(out.sequences, ref), (tree, p)
-            assert out.stats.new_tokens == new and out.stats.draft_forwards > 0
-    ids, mask = random_prompts(1, [5], seed=9)                   # EOS inside an accepted path
-    _, eos, ref = greedy_with_mid_output_eos(model, ids, mask, 30, not_before=3)
-    out = generate(model, ids, "dflash", max_new_tokens=30, eos_token_id=eos, heads=draft)
-    assert out.sequences[0, ids.size(1):].tolist()[: len(ref)] == ref
+    check_drafting_decoder(model, "dflash", TREES, heads=dflash(model))
 
 
 def test_save_load_gives_the_same_decoder(models, tmp_path):

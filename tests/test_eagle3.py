@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import built_method, heads_training_step
-from random_models import ARCHS, greedy_with_mid_output_eos, random_model, random_prompts, reference_greedy
+from random_models import ARCHS, check_drafting_decoder, random_model, random_prompts, reference_greedy
 
 from lit_spec.decoding import generate
 from lit_spec.decoding.eagle3 import Eagle3Decoder, Eagle3Drafter, Node, dynamic_tree
@@ -101,20 +101,7 @@ def test_decoding_drafts_what_training_predicts(models, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_identical_to_generate(models, arch):
     model = models[arch]
-    draft = eagle3(model)
-    for p, (length, new) in enumerate([(3, 30), (10, 24), (6, 17)]):
-        ids, mask = random_prompts(1, [length], seed=20 + p)
-        ref = reference_greedy(model, ids, mask, new)
-        for tree in TREES:
-            out = generate(model, ids, "eagle3", max_new_tokens=new, heads=draft, tree=tree, depth=4, top_k=3,
-                           total_tokens=8)
-            assert torch.equal(out.sequences, ref), (tree, p)
-            assert out.stats.new_tokens == new and out.stats.draft_forwards > 0
-    ids, mask = random_prompts(1, [5], seed=9)                   # EOS inside an accepted path
-    _, eos, ref = greedy_with_mid_output_eos(model, ids, mask, 30, not_before=3)
-    for tree in TREES:
-        out = generate(model, ids, "eagle3", max_new_tokens=30, eos_token_id=eos, heads=draft, tree=tree)
-        assert out.sequences[0, ids.size(1):].tolist()[: len(ref)] == ref
+    check_drafting_decoder(model, "eagle3", TREES, heads=eagle3(model), depth=4, top_k=3, total_tokens=8)
 
 
 def test_the_dynamic_tree_keeps_its_best_nodes_prefix_closed(models):

@@ -23,6 +23,7 @@ from lit_spec.data.execution import describe_isolation
 from lit_spec.data.metrics import EXECUTION_METRICS, get_metric, score_answers
 from lit_spec.data.repetition import RepetitionFilter
 from lit_spec.decoding.fast import ENGINES, FastForward
+from lit_spec.decoding.verify import check_sampling
 from lit_spec.drift import HELDOUT, check_drift_data, compare_answers, compare_nll, drift_records
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json, write_text
@@ -136,11 +137,7 @@ def check_bench(cfg: DictConfig) -> dict[str, str]:
     check_count("bench.num_prompts", bench.num_prompts)
     check_count("bench.max_new_tokens", bench.max_new_tokens)
     check_count("bench.warmup_prompts", bench.warmup_prompts, minimum=0)
-    for key, low in (("temperature", "a number >= 0 (0: greedy)"), ("top_p", "a number in (0, 1] (1: no top-p)")):
-        value = bench.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (key == "top_p" and not
-                                                                                          0 < value <= 1):
-            raise ConfigError(f"bench.{key}={value!r}: {low}")
+    check_sampling(bench.get("temperature"), bench.get("top_p"), "bench.")
     engines = bench.get("engines")
     if not engines or isinstance(engines, str) or any(e not in ENGINES for e in engines):
         raise ConfigError(f"bench.engines={engines!r}: a list of decoding engines from {list(ENGINES)}, e.g. "

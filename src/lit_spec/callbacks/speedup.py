@@ -159,7 +159,7 @@ class SpeedupCallback(L.Callback):
                 or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in self.temperatures)):
             raise ConfigError(f"callbacks.speedup.temperatures={self.temperatures!r}: a list of numbers >= 0 that "
                               "includes 0 (greedy: the lossless and quality checks), e.g. [0, 0.7, 1]")
-        check_sampling(1.0, self.top_p)
+        check_sampling(1.0, self.top_p, "callbacks.speedup.")
         if self.engine not in ENGINES:
             raise ConfigError(f"callbacks.speedup.engine={self.engine!r}: choose one of {ENGINES}")
         if self.engine != "eager" and weights_sharded(trainer.strategy):

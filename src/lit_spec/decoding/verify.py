@@ -25,15 +25,16 @@ def greedy_accept_length(proposal: list[int], target_tokens: list[int]) -> int:
     return n
 
 
-def check_sampling(temperature, top_p=1.0) -> tuple[float, float]:
-    """``temperature`` >= 0 (0 = greedy) and ``top_p`` in (0, 1], or a ConfigError naming the bad one."""
+def check_sampling(temperature, top_p=1.0, prefix: str = "") -> tuple[float, float]:
+    """``temperature`` >= 0 (0 = greedy) and ``top_p`` in (0, 1], or a ConfigError naming the bad one (after
+    ``prefix``, the config key's, e.g. ``bench.``)."""
     for name, value in (("temperature", temperature), ("top_p", top_p)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{name}={value!r}: must be a number")
+            raise ConfigError(f"{prefix}{name}={value!r}: must be a number")
     if temperature < 0:
-        raise ConfigError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
+        raise ConfigError(f"{prefix}temperature={temperature}: must be >= 0 (0 = greedy)")
     if not 0 < top_p <= 1:
-        raise ConfigError(f"top_p={top_p}: must be in (0, 1]")
+        raise ConfigError(f"{prefix}top_p={top_p}: must be in (0, 1] (1: no top-p)")
     return float(temperature), float(top_p)
 
 
