@@ -237,7 +237,7 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path):
     assert sorted(d.rsplit("_", 1)[1] for d in dirs) == sorted(str(p.pid) for p in procs)
 
 
-@pytest.mark.parametrize("kind, param", [("eagle3", "heads"), ("hidden_transfer", "transfer")])
+@pytest.mark.parametrize("kind, param", [("eagle3", "heads"), ("dflash", "heads"), ("hidden_transfer", "transfer")])
 def test_a_trained_draft_is_named_and_its_bench_command_decodes_with_it(tmp_path, kind, param):
     """A frozen-base run's ending names its export a draft and says how to bench it with its decoder, not as a
     model (a heads directory has no weights transformers can load)."""
@@ -247,14 +247,15 @@ def test_a_trained_draft_is_named_and_its_bench_command_decodes_with_it(tmp_path
     export.mkdir()
     (export / "heads.json").write_text(json.dumps({"kind": kind}))
     cfg = OmegaConf.create({"task_name": "train", "export_dir": str(export), "model": {"name_or_path": "m"},
-                            "method": {"_target_": "lit_spec.methods.Eagle3Module", "lr": 1e-3},
+                            "method": {"_target_": "lit_spec.methods.Eagle3Module", "lr": 1e-3, "block_size": 8},
                             "paths": {"output_dir": str(tmp_path)}})
     printed = training_summary(cfg, {"global_step": 3}, [], 0, 1.0)
     assert f"export/          the trained {kind} draft" in printed and "model.name_or_path" not in printed
     assert f"python -m lit_spec.bench 'decoding=[{kind}]' decoding.{kind}.{param}={export} draft=null" in printed
     assert "vllm serve" not in printed                        # no export/vllm (Hidden Transfer never has one)
-    if kind == "eagle3":
+    if kind != "hidden_transfer":           # a DFlash block of 8 drafts its 7 mask slots
         (export / "vllm").mkdir()
         printed = training_summary(cfg, {"global_step": 3}, [], 0, 1.0)
-        assert (f"""vllm serve m --speculative-config '{{"method": "eagle3", "model": "{export / 'vllm'}", """
-                '"num_speculative_tokens": 4}\'') in printed
+        tokens = 7 if kind == "dflash" else 4
+        assert (f"""vllm serve m --speculative-config '{{"method": "{kind}", "model": "{export / 'vllm'}", """
+                f'"num_speculative_tokens": {tokens}}}\'') in printed

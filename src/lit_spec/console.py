@@ -185,7 +185,9 @@ def _vllm_serve(cfg, export, heads: str | None) -> str | None:
     if heads:
         if not (Path(export) / "vllm").is_dir():
             return None
-        draft = speculative_config(heads, Path(export) / "vllm", 4)
+        # a DFlash block drafts all its mask slots at once: vLLM's query is the block it was trained on
+        tokens = cfg.method.block_size - 1 if heads == "dflash" else 4
+        draft = speculative_config(heads, Path(export) / "vllm", tokens)
     elif cfg.method._target_.endswith("DraftDistillModule"):
         draft = speculative_config("draft_model", export, 4)
     else:
