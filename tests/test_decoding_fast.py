@@ -1,7 +1,7 @@
-"""The fast path (``engine=static`` / ``engine=compiled``, lit_spec/decoding/fast.py): every decoder stays
+"""The fast path (``engine=static`` / ``compiled`` / ``frozen``, lit_spec/decoding/fast.py): every decoder stays
 token-identical to transformers' ``generate`` on three architectures, with the same counts as on the eager path; the
 static cache after a decode holds exactly the committed tokens' keys/values; bad input is refused before work. The
-compiled engine (a compile per width, seconds each) runs in the slow tier."""
+compiled engines (a compile per width, seconds each) run in the slow tier."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_a_draft_model_decodes_on_an_engine_of_its_own(models):
         draft = params["draft_model"]
         fast = generate(model, ids, method, max_new_tokens=NEW, engine="static", **params)
         eager = generate(model, ids, method, max_new_tokens=NEW, **params)
-        assert FastForward.of(draft, compiled=False).cache_length > 0, name
+        assert FastForward.of(draft, "static").cache_length > 0, name
         assert fast.stats.draft_forwards == eager.stats.draft_forwards > 0, name
         assert draft.config._attn_implementation == "sdpa"
 
@@ -81,7 +81,7 @@ def test_the_static_cache_holds_the_committed_tokens_after_tree_and_chain_rollba
     for name in ("tree", "speculative", "jacobi"):
         method, params = decoders(model)[name]
         out = generate(model, ids, method, max_new_tokens=25, engine="static", **params)
-        engine = FastForward.of(model, compiled=False)
+        engine = FastForward.of(model, "static")
         length = int(engine.cache.layers[0].cumulative_length)
         committed = out.sequences[0].tolist()
         # the cache holds everything but the last token (the pending one), trimmed from the static tensors
@@ -94,7 +94,7 @@ def test_a_reserved_cache_serves_every_shorter_decode_without_growing(models):
     """The bench reserves its longest prompt's cache before warm-up: a later decode never allocates (and, compiled,
     recompiles every width for) a longer one."""
     model = models["qwen2"]
-    engine = FastForward.of(model, compiled=False)
+    engine = FastForward.of(model, "static")
     engine.reserve(engine.positions(300, NEW))
     cache, length = engine.cache, engine.cache_length
     assert length == 768        # 300 + 40 + 256 positions, rounded up to a multiple of 256
@@ -109,7 +109,7 @@ def test_the_packed_head_follows_the_weights_it_was_packed_from(models):
     """On a CPU fp32 model the fast path reads logits through oneDNN's packed copy of the LM head: a head trained
     between decodes (the speedup callback's case) is packed again, so the decode follows the new weights."""
     model = noisy_copy(models["llama"], 0.0)
-    assert FastForward.of(model, compiled=False).head is not None
+    assert FastForward.of(model, "static").head is not None
     ids, mask = random_prompts(1, [7], seed=6)
     for _ in range(2):
         out = generate(model, ids, "prompt_lookup", max_new_tokens=NEW, engine="static")
@@ -133,7 +133,7 @@ def test_a_block_past_the_end_of_the_static_cache_grows_it():
     after rounding) grows the cache, keeping what it held: the block's logits are the model's over the whole
     sequence."""
     model = random_model("mistral", seed=5)              # its own engine: no cache reserved by another test
-    engine = FastForward.of(model, compiled=False)
+    engine = FastForward.of(model, "static")
     ids, mask = random_prompts(1, [9], seed=4)
     block = torch.randint(3, 96, (1, 600), generator=torch.Generator().manual_seed(0))
     with engine.attention():
@@ -163,18 +163,31 @@ def test_batches_unknown_engines_other_attention_and_short_windows_are_refused_b
         generate(windowed, ids[:1], "ar", engine="static")
 
 
+def test_frozen_weights_that_change_are_refused_before_a_decode(models):
+    """engine=frozen compiles the weights in: a decode after an optimizer step would run the old ones."""
+    model = noisy_copy(models["llama"], 0.0)
+    engine = FastForward.of(model, "frozen")
+    engine.check_frozen_weights()
+    engine.check_frozen_weights()                # unchanged: decodes on
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.01)          # what an optimizer step does
+    with pytest.raises(ConfigError, match="engine=compiled"):
+        engine.check_frozen_weights()
+    assert FastForward.of(model, "compiled").check_frozen_weights() is None    # compiled reads the weights live
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
-def test_compiled_decoders_are_identical_to_generate(models, arch):
-    """Compiled per width (inductor on the CPU): AR, a chain, Jacobi and a tree, against ``generate``; the compile
-    time is counted beside the decode, once per new width."""
-    model = models[arch]
+@pytest.mark.parametrize(("arch", "engine"), [(arch, "compiled") for arch in ARCHS] + [("qwen2", "frozen")])
+def test_compiled_decoders_are_identical_to_generate(models, arch, engine):
+    """Compiled per width (inductor on the CPU; frozen: the weights as constants, GEMMs autotuned): AR, a chain,
+    Jacobi and a tree, against ``generate``; the compile time is counted beside the decode, once per new width."""
+    model = models[arch] if engine == "compiled" else noisy_copy(models[arch], 0.0)   # frozen: its own engine
     ids, mask = random_prompts(1, [9], seed=4)
     ref = reference_greedy(model, ids, mask, NEW)
     table = decoders(model)
     for name in ("ar", "speculative", "jacobi", "eagle3"):
         method, params = table[name]
-        first = generate(model, ids, method, max_new_tokens=NEW, engine="compiled", **params)
-        again = generate(model, ids, method, max_new_tokens=NEW, engine="compiled", **params)
+        first = generate(model, ids, method, max_new_tokens=NEW, engine=engine, **params)
+        again = generate(model, ids, method, max_new_tokens=NEW, engine=engine, **params)
         assert torch.equal(first.sequences, ref) and torch.equal(again.sequences, ref), name
         assert first.stats.compile_time > 0 and again.stats.compile_time == 0, name

@@ -208,10 +208,11 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
 
 
 def compile_seconds(runners: dict) -> dict[str, float]:
-    """The seconds each block width took to compile (``"8@768"``, ``"8+hidden@768"``: width, cache length), warm-up
-    included and kept out of every timing. The model's compiled engine is one, shared by its ``@compiled`` runners."""
-    return {f"{q}{'+hidden' if hidden else ''}@{length}": s for engine in fast_engines(runners) if engine.compiled
-            for (q, hidden, length), s in engine.compile_seconds.items()}
+    """The seconds each block width took to compile (``"frozen/8@768"``, ``"compiled/8+hidden@768"``: engine, width,
+    cache length), warm-up included and kept out of every timing. A model's engine of a kind is one, shared by its
+    ``@KIND`` runners."""
+    return {f"{engine.kind}/{q}{'+hidden' if hidden else ''}@{length}": s for engine in fast_engines(runners)
+            if engine.compiled for (q, hidden, length), s in engine.compile_seconds.items()}
 
 
 def fast_memory(runners: dict) -> dict[str, dict[str, int]]:
@@ -221,10 +222,9 @@ def fast_memory(runners: dict) -> dict[str, dict[str, int]]:
     for runner in runners.values():
         fast = getattr(runner, "fast", None)
         if fast:
-            kind = "compiled" if fast.compiled else "static"
-            out[f"{kind}/target"] = fast.memory()
+            out[f"{fast.kind}/target"] = fast.memory()
             for draft in runner.draft_models():
-                out[f"{kind}/draft"] = FastForward.of(draft, fast.compiled).memory()
+                out[f"{fast.kind}/draft"] = FastForward.of(draft, fast.kind).memory()
     return out
 
 

@@ -109,8 +109,9 @@ class SpeedupCallback(L.Callback):
             records of the data config's evaluation split), beside the held-out records' own.
         decode_copy: where the weights are sharded, decode a plain copy (``true``), the sharded model itself
             (``false``), or the copy where it fits in memory on every rank (``auto``; ``DecodingCopy``).
-        engine: the decoders' engine, ``eager``, ``static`` or ``compiled`` (``lit_spec.decoding.fast``); the
-            seconds compiling takes are logged as ``time/compile_s``, kept out of tokens/s, in ``time/measure_s``.
+        engine: the decoders' engine, ``eager``, ``static`` or ``compiled`` (``lit_spec.decoding.fast``; not
+            ``frozen``, which would not see the weights train); the seconds compiling takes are logged as
+            ``time/compile_s``, kept out of tokens/s, in ``time/measure_s``.
         temperatures: the temperatures measured, 0 (greedy) among them: at each t > 0 AR and every decoder that
             samples decode again, sampling (lossless rules: their τ is the model's), logged as ``NAME@T<t>``.
         top_p, seed: the sampling's top-p and its generators' seed.
@@ -162,6 +163,9 @@ class SpeedupCallback(L.Callback):
         check_sampling(1.0, self.top_p, "callbacks.speedup.")
         if self.engine not in ENGINES:
             raise ConfigError(f"callbacks.speedup.engine={self.engine!r}: choose one of {ENGINES}")
+        if self.engine == "frozen":
+            raise ConfigError("callbacks.speedup.engine=frozen compiles the weights into its graphs, and the "
+                              "callback decodes the model it trains: use engine=compiled (it reads them live)")
         if self.engine != "eager" and weights_sharded(trainer.strategy):
             # the copy decoded under sharded weights is new at every measurement: its cache and widths would be too
             raise ConfigError(f"callbacks.speedup.engine={self.engine}: under {type(trainer.strategy).__name__} the "

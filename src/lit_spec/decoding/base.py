@@ -42,8 +42,9 @@ class Decoder(ABC):
     greedy_only = False     # Jacobi-style decoders: temperature 0 only (``verify.require_greedy`` says why)
 
     def __init__(self, model, pad_token_id: int | None = None, engine: str = "eager"):
-        """``engine``: ``eager`` (transformers' dynamic cache, every forward eager), ``static`` or ``compiled`` (the
-        fast path, ``lit_spec.decoding.fast``: a static cache, and the target forward compiled per width)."""
+        """``engine``: ``eager`` (transformers' dynamic cache, every forward eager), ``static``, ``compiled`` or
+        ``frozen`` (the fast path, ``lit_spec.decoding.fast``: a static cache, and the target forward compiled per
+        width, ``frozen`` with the weights compiled in)."""
         self.model = model
         self.set_engine(engine)
         cfg = model.generation_config if getattr(model, "generation_config", None) is not None else model.config
@@ -59,7 +60,7 @@ class Decoder(ABC):
         method offers)."""
         if engine not in ENGINES:
             raise ConfigError(f"engine={engine!r}: choose one of {ENGINES}")
-        self.fast = None if engine == "eager" else FastForward.of(self.model, compiled=engine == "compiled")
+        self.fast = None if engine == "eager" else FastForward.of(self.model, engine)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None,
@@ -68,7 +69,7 @@ class Decoder(ABC):
         ``max_new_tokens``, stopping a row at ``eos_token_id``."""
         args = (self.model, input_ids, attention_mask, max_new_tokens, eos_token_id, self.record_hidden)
         state = DecodeState(*args) if self.fast is None else FastDecodeState(self.fast, *args)
-        engines = [self.fast, *(FastForward.of(d, self.fast.compiled) for d in self.draft_models())] if self.fast \
+        engines = [self.fast, *(FastForward.of(d, self.fast.kind) for d in self.draft_models())] if self.fast \
             else []
         compiled_before = sum(e.compile_time for e in engines)
         sync_device(input_ids.device)

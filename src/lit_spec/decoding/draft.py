@@ -50,7 +50,7 @@ def draft_runner(draft_model, state) -> "DraftRunner":
     engine = getattr(state, "engine", None)
     if engine is None:
         return DraftRunner(draft_model)
-    fast = FastForward.of(draft_model, engine.compiled)
+    fast = FastForward.of(draft_model, engine.kind)
     return DraftRunner(draft_model, fast, fast.positions(state.prompt.size(1), state.max_new_tokens))
 
 

@@ -1,6 +1,8 @@
-"""The fast path through the one engine (``engine=static`` or ``engine=compiled`` on any decoder): a static KV cache
-rolled back by length, the attention mask cut from one additive row per decode, grouped-query attention without
-repeating the cache, and (``compiled``) the target forward compiled once per query width, the prefill left eager.
+"""The fast path through the one engine (``engine=static``, ``compiled`` or ``frozen`` on any decoder): a static KV
+cache rolled back by length, the attention mask cut from one additive row per decode, grouped-query attention without
+repeating the cache, and (``compiled``, ``frozen``) the target forward compiled once per query width, the prefill left
+eager. ``frozen`` compiles the weights into the graph as constants, so inductor packs them for its own GEMM kernels
+(max-autotune); a model whose weights change (the speedup callback's) decodes on ``compiled``, which reads them live.
 
 Compiled blocks are padded to a power-of-two width, so a decoder whose block varies (prompt lookup's drafts, a tree
 that grows) compiles a few widths, not one per length. A pad token sees only itself and is rolled back with the
@@ -22,10 +24,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from lit_spec.decoding import cache as kv
 from lit_spec.errors import ConfigError
 
-ENGINES = ("eager", "static", "compiled")
+ENGINES = ("eager", "static", "compiled", "frozen")
 GQA_SDPA = "lit_spec_sdpa_gqa"
 CACHE_STEP = 256          # the static cache's length is a multiple of this, so prompts of near lengths share it
 PLAIN_HEADS = ("llama", "mistral", "qwen2", "qwen3", "phi3")    # model types whose logits are lm_head(last hidden)
+# engine=frozen: weights as constants, so inductor prepacks them for its C++ GEMM template, which autotuning picks
+# over MKL's where it is faster (SmolLM2's one-row GEMMs on a 2-core EPYC: experiments/RESULTS.md)
+FROZEN_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
 def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -138,19 +143,21 @@ class FastForward:
     _engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @classmethod
-    def of(cls, model, compiled: bool) -> "FastForward":
-        """The model's engine (one per model and setting, so compiled widths and the cache are reused)."""
+    def of(cls, model, kind: str) -> "FastForward":
+        """The model's engine of ``kind`` (static, compiled, frozen): one per model and kind, so compiled widths and
+        the cache are reused."""
         engines = cls._engines.setdefault(model, {})
-        if compiled not in engines:
-            engines[compiled] = cls(model, compiled)
-        return engines[compiled]
+        if kind not in engines:
+            engines[kind] = cls(model, kind)
+        return engines[kind]
 
-    def __init__(self, model, compiled: bool):
+    def __init__(self, model, kind: str):
         attention = model.config._attn_implementation
         if attention not in ("sdpa", GQA_SDPA):
             raise ConfigError(f"the fast decoding path runs sdpa attention; this model uses {attention!r}: load it "
                               "with model.attn_implementation=sdpa or decode with engine=eager")
-        self.model, self.compiled = model, compiled
+        self.model, self.kind, self.compiled = model, kind, kind != "static"
+        self.frozen_weights = None      # engine=frozen: the weights' versions its graphs were compiled with
         self.cache: kv.StaticCache | None = None
         self.cache_length = 0
         self.compile_seconds: dict[tuple[int, bool, int], float] = {}
@@ -158,10 +165,12 @@ class FastForward:
         self.body = model.get_decoder() if self.head else model      # what runs compiled: the stack, or all of it
         self.cache_keyword = next(iter(kv.cache_argument(self.body, None)))   # looked up once, outside compiled code
         self._run = self._forward
-        if compiled:
+        if self.compiled:
             # the widths (powers of two) x hidden states or not stay well under this; the default (8) could not
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-            self._run = torch.compile(self._forward, dynamic=False, fullgraph=True)
+            options = FROZEN_OPTIONS if kind == "frozen" and next(model.parameters()).is_cpu else \
+                {"freezing": True} if kind == "frozen" else None
+            self._run = torch.compile(self._forward, dynamic=False, fullgraph=True, options=options)
 
     @property
     def compile_time(self) -> float:
@@ -219,10 +228,24 @@ class FastForward:
         return self.body(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                          output_hidden_states=hidden, **{self.cache_keyword: self.cache})
 
+    def weights_version(self) -> tuple:
+        return tuple((p.data_ptr(), p._version) for p in self.model.parameters())
+
+    def check_frozen_weights(self) -> None:
+        """engine=frozen compiled the weights into its graphs: a decode after they changed would run the old ones."""
+        if self.kind != "frozen":
+            return
+        if self.frozen_weights is None:
+            self.frozen_weights = self.weights_version()
+        elif self.frozen_weights != self.weights_version():
+            raise ConfigError("engine=frozen compiled this model's weights into its graphs, and they have changed "
+                              "since: decode a model that trains with engine=compiled (it reads the weights live)")
+
     @contextmanager
     def attention(self):
         """A decode's span: the model attends with ``sdpa_gqa``, then gets its own attention back (a model shared
         with training, as the speedup callback's is, keeps transformers' sdpa outside the fast path)."""
+        self.check_frozen_weights()
         before = self.model.config._attn_implementation
         self.model.set_attn_implementation(GQA_SDPA)
         try:

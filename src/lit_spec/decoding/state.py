@@ -231,7 +231,7 @@ class FastDecodeState(DecodeState):
                  record_hidden=False):
         self.engine = engine
         super().__init__(model, input_ids, attention_mask_2d, max_new_tokens, eos_token_id, record_hidden)
-        self.require_single_row("engine=" + ("compiled" if engine.compiled else "static"))
+        self.require_single_row("engine=" + engine.kind)
 
     def _new_cache(self):
         self.row = StaticRow(self.engine, self.engine.positions(self.prompt.size(1), self.max_new_tokens),
