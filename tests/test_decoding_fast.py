@@ -179,13 +179,14 @@ def test_frozen_weights_that_change_are_refused_before_a_decode(models):
 @pytest.mark.slow
 @pytest.mark.parametrize(("arch", "engine"), [(arch, "compiled") for arch in ARCHS] + [("qwen2", "frozen")])
 def test_compiled_decoders_are_identical_to_generate(models, arch, engine):
-    """Compiled per width (inductor on the CPU; frozen: the weights as constants, GEMMs autotuned): AR, a chain,
-    Jacobi and a tree, against ``generate``; the compile time is counted beside the decode, once per new width."""
+    """Compiled per width (inductor on the CPU): AR, a chain, Jacobi and a tree, against ``generate``; frozen (the
+    weights as constants, every GEMM autotuned: a minute a width) AR and Jacobi. The compile time is counted beside
+    the decode, once per new width."""
     model = models[arch] if engine == "compiled" else noisy_copy(models[arch], 0.0)   # frozen: its own engine
     ids, mask = random_prompts(1, [9], seed=4)
     ref = reference_greedy(model, ids, mask, NEW)
     table = decoders(model)
-    for name in ("ar", "speculative", "jacobi", "eagle3"):
+    for name in ("ar", "speculative", "jacobi", "eagle3") if engine == "compiled" else ("ar", "jacobi"):
         method, params = table[name]
         first = generate(model, ids, method, max_new_tokens=NEW, engine=engine, **params)
         again = generate(model, ids, method, max_new_tokens=NEW, engine=engine, **params)

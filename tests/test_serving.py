@@ -84,9 +84,9 @@ def served(tmp_path_factory):
         kind: {"model": str(target), "speculative_config": speculative_config(kind, path, K)}
         for kind, path in served_dirs.items()}
     # at T = 1 every engine drafts greedily (vLLM's default draft_sample_method) and samples by rejection, each
-    # draft a point mass: our chain of top-1 candidates (``tree`` over the draft model's, for draft_model)
-    sampled = {"eagle3": ours["eagle3"], "medusa": ours["medusa"],
-               "draft_model": ("tree", {"draft_model": draft, "tree": [1] * K})}
+    # draft a point mass: our chain of top-1 candidates (``tree`` over the draft model's, for draft_model). Medusa's
+    # chain reaches vLLM's rejection sampler as EAGLE-3's does: left out, one vLLM process less for CI
+    sampled = {"eagle3": ours["eagle3"], "draft_model": ("tree", {"draft_model": draft, "tree": [1] * K})}
     lit_t1 = {name: [generate(model, torch.tensor([p]), method, max_new_tokens=NEW_TOKENS, temperature=1.0,
                               seed=i, eos_token_id=tokenizer.eos_token_id, **kwargs) for i, p in enumerate(prompts)]
               for name, (method, kwargs) in sampled.items()}
@@ -129,7 +129,7 @@ def test_vllm_mean_acceptance_length_is_lit_spec_tau(served, kind):
     assert ours > 1.2, "the trained draft should be accepted often enough for the comparison to mean something"
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "medusa", "draft_model"])
+@pytest.mark.parametrize("kind", ["eagle3", "draft_model"])
 def test_vllm_acceptance_at_temperature_1_is_lit_spec_s(served, kind):
     """Sampled at T = 1, both engines accept a draft with the target's probability of it (rejection sampling over a
     chain of point-mass drafts), so their mean acceptance lengths estimate the same expectation. Tolerance: each is a

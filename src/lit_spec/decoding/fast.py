@@ -168,9 +168,10 @@ class FastForward:
         if self.compiled:
             # the widths (powers of two) x hidden states or not stay well under this; the default (8) could not
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-            options = FROZEN_OPTIONS if kind == "frozen" and next(model.parameters()).is_cpu else \
-                {"freezing": True} if kind == "frozen" else None
-            self._run = torch.compile(self._forward, dynamic=False, fullgraph=True, options=options)
+            self.frozen_options = None if kind != "frozen" else FROZEN_OPTIONS if next(model.parameters()).is_cpu \
+                else {"freezing": True}
+            # a backend of its own, so dynamo never hands one engine's graphs to the other (its backend guard)
+            self._run = torch.compile(self._forward, dynamic=False, fullgraph=True, options=self.frozen_options)
 
     @property
     def compile_time(self) -> float:
@@ -218,11 +219,19 @@ class FastForward:
             return self._forward(ids, mask, position_ids, hidden)
         key = (ids.size(1), hidden, self.cache_length)   # a longer cache recompiles every width
         if key in self.compile_seconds:
-            return self._run(ids, mask, position_ids, hidden)
+            return self._compiled(ids, mask, position_ids, hidden)
         start = time.perf_counter()
-        out = self._run(ids, mask, position_ids, hidden)
+        out = self._compiled(ids, mask, position_ids, hidden)
         self.compile_seconds[key] = time.perf_counter() - start
         return out
+
+    def _compiled(self, *args):
+        if self.frozen_options is None:
+            return self._run(*args)
+        # dynamo reads inductor's freezing flag while tracing, to take the weights as constants: torch.compile's
+        # options reach inductor only, so the flag is set around the call too
+        with torch._inductor.config.patch(self.frozen_options):
+            return self._run(*args)
 
     def _forward(self, ids, mask, position_ids, hidden: bool):
         return self.body(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
