@@ -8,7 +8,7 @@
 # 3. Chimera under DDP and Hidden Transfer under FSDP2, each beside a bf16 base;
 # 4. the bench on the device, which loads the exports and generates with them: the EAGLE-3 draft (dynamic tree and
 #    chain), Chimera's and Hidden Transfer's against AR and `generate`; the CLLM export against its tiny target; the
-#    Jacobi Forcing export; the training-free decoders in bf16.
+#    Jacobi Forcing export; the training-free decoders in bf16; the fast path's engines against eager in fp32.
 # Every run is a step (gpu_setup.sh): bounded, its line printed the moment it ends (exit code, seconds, what it
 # measured: experiments/gpu_check.py), its log in $OUT (default logs/gpu_check). The runs go JOBS at a time (default
 # 4: the tiny models leave a GPU mostly idle), the benches of the exports once every training has ended. STEPS (default 150) sets the training steps,
@@ -92,6 +92,8 @@ first=(
    model.dtype=bfloat16"
   "bench bench_training_free_bf16 model.dtype=bfloat16
    decoding=[jacobi,multiblock,lookahead,lookahead_cpu,prompt_lookup,speculative,tree,ouroboros]"
+  "bench bench_fast_path decoding=[prompt_lookup,speculative] bench.engines=[eager,compiled,frozen]
+   bench.hf_peers=[generate]"
 )
 e3=$runs/eagle3_zero2/export
 after=(

@@ -49,6 +49,7 @@ OVERRIDES = {
     "train/hidden_transfer_*": STDLIB,
     "train/eagle3_*": [*STDLIB, "method.draft_vocab_size=128"],      # within the micro vocabulary of 512
     "bench/*": ["bench.num_prompts=2", "bench.max_new_tokens=8", "bench.warmup_prompts=0", "bench.drift_data=null"],
+    "bench/bench_fast_path": ["decoding.prompt_lookup.num_draft_tokens=1", "decoding.speculative.gamma=1"],  # few widths
 }
 
 
