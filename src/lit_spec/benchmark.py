@@ -22,12 +22,12 @@ from lit_spec.data.datamodule import split_records
 from lit_spec.data.execution import describe_isolation
 from lit_spec.data.metrics import EXECUTION_METRICS, get_metric, score_answers
 from lit_spec.data.repetition import RepetitionFilter
-from lit_spec.decoding.fast import ENGINES, FastForward
+from lit_spec.decoding.fast import ENGINES
 from lit_spec.decoding.verify import check_sampling
 from lit_spec.drift import HELDOUT, check_drift_data, compare_answers, compare_nll, drift_records
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json, write_text
-from lit_spec.measure import (HFPeer, bandwidth_limit, build_decoders, compare, decode_prompts, fast_engines,
+from lit_spec.measure import (HFPeer, bandwidth_limit, build_decoders, compare, decode_prompts, fast_roles,
                               reserve_fast_caches, vllm_peer_runs, warm_up)
 from lit_spec.precision import export_dtype
 from lit_spec.serving.vllm_runner import require_vllm
@@ -208,24 +208,17 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
 
 
 def compile_seconds(runners: dict) -> dict[str, float]:
-    """The seconds each block width took to compile (``"frozen/8@768"``, ``"compiled/8+hidden@768"``: engine, width,
-    cache length), warm-up included and kept out of every timing. A model's engine of a kind is one, shared by its
-    ``@KIND`` runners."""
-    return {f"{engine.kind}/{q}{'+hidden' if hidden else ''}@{length}": s for engine in fast_engines(runners)
-            if engine.compiled for (q, hidden, length), s in engine.compile_seconds.items()}
+    """The seconds each block width took to compile (``"frozen/target/8@768"``, ``"compiled/draft/1@768"``,
+    ``"+hidden"`` where the hidden states are read: engine, model, width, cache length), warm-up included and kept
+    out of every timing."""
+    return {f"{role}/{q}{'+hidden' if hidden else ''}@{length}": s for role, engine in fast_roles(runners).items()
+            for (q, hidden, length), s in engine.compile_seconds.items()}
 
 
 def fast_memory(runners: dict) -> dict[str, dict[str, int]]:
-    """Per fast engine, ``ENGINE/target`` or ``ENGINE/draft``, the bytes it holds beside the weights: its static
-    cache and its packed head (``FastForward.memory``)."""
-    out = {}
-    for runner in runners.values():
-        fast = getattr(runner, "fast", None)
-        if fast:
-            out[f"{fast.kind}/target"] = fast.memory()
-            for draft in runner.draft_models():
-                out[f"{fast.kind}/draft"] = FastForward.of(draft, fast.kind).memory()
-    return out
+    """Per fast engine, ``KIND/target`` or ``KIND/draft``, the bytes it holds beside the weights: its static cache
+    and its packed head (``FastForward.memory``)."""
+    return {role: engine.memory() for role, engine in fast_roles(runners).items()}
 
 
 def answer_quality(outputs: list[list[int]], records: list[dict], tokenizer, metric: str | None) -> dict:

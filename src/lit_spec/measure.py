@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from lit_spec.decoding import DECODERS, DecodeOutput, DecodeStats, Decoder, new_tokens
+from lit_spec.decoding.fast import FastForward
 from lit_spec.decoding.state import eos_ids, until_eos
 from lit_spec.decoding.stats import sync_device
 from lit_spec.errors import ConfigError
@@ -47,9 +48,21 @@ def build_decoders(model, specs: dict[str, dict], draft=None, **common) -> dict[
     return decoders
 
 
-def fast_engines(runners: dict) -> list:
-    """The fast engines (``FastForward``) the runners share: one per model and engine setting."""
-    return list({id(r.fast): r.fast for r in runners.values() if getattr(r, "fast", None)}.values())
+def fast_roles(runners: dict) -> dict[str, FastForward]:
+    """The fast engines the runners use, the target's and the draft model's, by ``KIND/target`` or ``KIND/draft``."""
+    out = {}
+    for runner in runners.values():
+        fast = getattr(runner, "fast", None)
+        if fast:
+            out[f"{fast.kind}/target"] = fast
+            for draft in runner.draft_models():
+                out[f"{fast.kind}/draft"] = FastForward.of(draft, fast.kind)
+    return out
+
+
+def fast_engines(runners: dict) -> list[FastForward]:
+    """The fast engines the runners share, drafts' included: one per model and kind."""
+    return list(fast_roles(runners).values())
 
 
 def reserve_fast_caches(runners: dict, prompt_lengths: list[int], max_new_tokens: int) -> list:

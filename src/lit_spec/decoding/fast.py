@@ -165,12 +165,12 @@ class FastForward:
         self.body = model.get_decoder() if self.head else model      # what runs compiled: the stack, or all of it
         self.cache_keyword = next(iter(kv.cache_argument(self.body, None)))   # looked up once, outside compiled code
         self._run = self._forward
+        self.frozen_options = None if kind != "frozen" else FROZEN_OPTIONS if next(model.parameters()).is_cpu \
+            else {"freezing": True}
         if self.compiled:
             # the widths (powers of two) x hidden states or not stay well under this; the default (8) could not
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-            self.frozen_options = None if kind != "frozen" else FROZEN_OPTIONS if next(model.parameters()).is_cpu \
-                else {"freezing": True}
-            # a backend of its own, so dynamo never hands one engine's graphs to the other (its backend guard)
+            # frozen: a backend of its own, so dynamo never hands one engine's graphs to the other (its backend guard)
             self._run = torch.compile(self._forward, dynamic=False, fullgraph=True, options=self.frozen_options)
 
     @property
