@@ -80,8 +80,8 @@ class Decoder(ABC):
             extras = self._decode(state) or {}
         sync_device(input_ids.device)
         state.stats.wall_time = time.perf_counter() - start
-        if self.fast:     # compiling a new width is kept out of the timings (the target's or the draft's), and
-            target, *drafts = (e.compile_time - before for e, before in zip(engines, compiled_before))  # reported
+        if self.fast:     # compiling a new width is kept out of the timings, each model's out of its own forwards
+            target, *drafts = (e.compile_time - before for e, before in zip(engines, compiled_before))
             state.stats.compile_time = target + sum(drafts)
             state.stats.wall_time -= state.stats.compile_time
             state.stats.forward_time -= target
