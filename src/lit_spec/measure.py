@@ -17,7 +17,6 @@ from typing import Callable
 import torch
 
 from lit_spec.decoding import DECODERS, DecodeOutput, DecodeStats, Decoder, new_tokens
-from lit_spec.decoding.fast import FastForward
 from lit_spec.decoding.state import eos_ids, until_eos
 from lit_spec.decoding.stats import sync_device
 from lit_spec.errors import ConfigError
@@ -48,19 +47,18 @@ def build_decoders(model, specs: dict[str, dict], draft=None, **common) -> dict[
     return decoders
 
 
-def fast_roles(runners: dict) -> dict[str, FastForward]:
+def fast_roles(runners: dict) -> dict:
     """The fast engines the runners use, the target's and the draft model's, by ``KIND/target`` or ``KIND/draft``."""
     out = {}
     for runner in runners.values():
-        fast = getattr(runner, "fast", None)
-        if fast:
-            out[f"{fast.kind}/target"] = fast
-            for draft in runner.draft_models():
-                out[f"{fast.kind}/draft"] = FastForward.of(draft, fast.kind)
+        if getattr(runner, "fast", None):       # a lit_spec decoder on the fast path (not a peer)
+            target, *drafts = runner.fast_engines()
+            out[f"{target.kind}/target"] = target
+            out |= {f"{draft.kind}/draft": draft for draft in drafts}
     return out
 
 
-def fast_engines(runners: dict) -> list[FastForward]:
+def fast_engines(runners: dict) -> list:
     """The fast engines the runners share, drafts' included: one per model and kind."""
     return list(fast_roles(runners).values())
 

@@ -69,8 +69,7 @@ class Decoder(ABC):
         ``max_new_tokens``, stopping a row at ``eos_token_id``."""
         args = (self.model, input_ids, attention_mask, max_new_tokens, eos_token_id, self.record_hidden)
         state = DecodeState(*args) if self.fast is None else FastDecodeState(self.fast, *args)
-        engines = [self.fast, *(FastForward.of(d, self.fast.kind) for d in self.draft_models())] if self.fast \
-            else []
+        engines = self.fast_engines()
         compiled_before = [e.compile_time for e in engines]
         sync_device(input_ids.device)
         start = time.perf_counter()
@@ -87,6 +86,12 @@ class Decoder(ABC):
             state.stats.forward_time -= target
             state.stats.draft_time -= sum(drafts)
         return DecodeOutput(state.sequences(self.pad_token_id), state.stats, extras)
+
+    def fast_engines(self) -> list[FastForward]:
+        """The fast engines a decode runs on: the target's, then each draft model's (of the same kind); none eager."""
+        if self.fast is None:
+            return []
+        return [self.fast, *(FastForward.of(d, self.fast.kind) for d in self.draft_models())]
 
     def draft_models(self) -> list:
         """The transformers draft models this decoder runs beside the target (on the fast path when it is)."""
