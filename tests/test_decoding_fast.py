@@ -176,6 +176,18 @@ def test_frozen_weights_that_change_are_refused_before_a_decode(models):
     assert FastForward.of(model, "compiled").check_frozen_weights() is None    # compiled reads the weights live
 
 
+def test_a_model_decoded_on_the_fast_path_is_freed_with_its_last_reference():
+    """The engines are kept per model while it lives: its static cache and compiled widths do not keep it alive."""
+    import gc
+    import weakref
+    model = random_model("llama", layers=1)
+    generate(model, random_prompts(1, [9])[0], "ar", max_new_tokens=4, engine="static")
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("arch", "engine"), [(arch, "compiled") for arch in ARCHS] + [("qwen2", "frozen")])
 def test_compiled_decoders_are_identical_to_generate(models, arch, engine):
@@ -199,3 +211,17 @@ def test_compiled_decoders_are_identical_to_generate(models, arch, engine):
         changed = reference_greedy(model, ids, mask, NEW)                   # live, it would give the changed output
         assert not torch.equal(changed, ref)
         assert not torch.equal(generate(model, ids, "ar", max_new_tokens=NEW, engine="frozen").sequences, changed)
+
+
+@pytest.mark.slow
+def test_each_engine_compiles_within_a_recompile_limit_of_its_own(monkeypatch):
+    """Every engine compiles the one code object (``FastForward._forward``): the widths that engines compiled earlier
+    in the process do not count against the next engine's limit (a long test session hit it)."""
+    import lit_spec.decoding.fast as fast
+    monkeypatch.setattr(fast, "RECOMPILE_LIMIT", 3)
+    ids, mask = random_prompts(1, [9], seed=4)
+    for seed in (1, 2):                           # three widths each: AR's 1, Jacobi's 4 and its last block's 2
+        model = random_model("llama", seed=seed, layers=seed)      # shapes of its own: graphs of its own
+        for method, params in (("ar", {}), ("jacobi", {"n_tokens": 4})):
+            out = generate(model, ids, method, max_new_tokens=8, engine="compiled", **params)
+            assert torch.equal(out.sequences, reference_greedy(model, ids, mask, 8)), (seed, method)

@@ -31,6 +31,7 @@ PLAIN_HEADS = ("llama", "mistral", "qwen2", "qwen3", "phi3")    # model types wh
 # engine=frozen: weights as constants, so inductor prepacks them for its C++ GEMM template, which autotuning picks
 # over MKL's where it is faster (SmolLM2's one-row GEMMs on a 2-core EPYC: experiments/RESULTS.md)
 FROZEN_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+RECOMPILE_LIMIT = 32      # an engine's widths (powers of two) x hidden states or not x cache lengths stay under this
 
 
 def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -156,22 +157,31 @@ class FastForward:
         if attention not in ("sdpa", GQA_SDPA):
             raise ConfigError(f"the fast decoding path runs sdpa attention; this model uses {attention!r}: load it "
                               "with model.attn_implementation=sdpa or decode with engine=eager")
-        self.model, self.kind, self.compiled = model, kind, kind != "static"
+        # the model weakly: the registry's key is weak, and a strong reference here would keep every model alive
+        self._model, self.kind, self.compiled = weakref.ref(model), kind, kind != "static"
         self.frozen_weights = None      # engine=frozen: the weights' versions its graphs were compiled with
         self.cache: kv.StaticCache | None = None
         self.cache_length = 0
         self.compile_seconds: dict[tuple[int, bool, int], float] = {}
         self.head = PackedHead.of(model)
-        self.body = model.get_decoder() if self.head else model      # what runs compiled: the stack, or all of it
+        self.stack = model.get_decoder() if self.head else None      # what runs compiled: the stack, or all of it
         self.cache_keyword = next(iter(kv.cache_argument(self.body, None)))   # looked up once, outside compiled code
         self._run = self._forward
         self.frozen_options = None if kind != "frozen" else FROZEN_OPTIONS if next(model.parameters()).is_cpu \
             else {"freezing": True}
         if self.compiled:
-            # the widths (powers of two) x hidden states or not stay well under this; the default (8) could not
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-            # frozen: a backend of its own, so dynamo never hands one engine's graphs to the other (its backend guard)
-            self._run = torch.compile(self._forward, dynamic=False, fullgraph=True, options=self.frozen_options)
+            # every engine compiles the one code object FastForward._forward: isolated, an engine's widths count
+            # against its own limit, not those of the engines (live or dead) compiled before it in the process
+            self._run = torch.compile(self._forward, dynamic=False, fullgraph=True, options=self.frozen_options,
+                                      recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True)
+
+    @property
+    def model(self):
+        return self._model()
+
+    @property
+    def body(self):
+        return self.model if self.stack is None else self.stack
 
     @property
     def compile_time(self) -> float:
