@@ -92,7 +92,7 @@ first=(
    model.dtype=bfloat16"
   "bench bench_training_free_bf16 model.dtype=bfloat16
    decoding=[jacobi,multiblock,lookahead,lookahead_cpu,prompt_lookup,speculative,tree,ouroboros]"
-  "bench bench_fast_path decoding=[prompt_lookup,speculative] bench.engines=[eager,compiled,frozen]
+  "bench bench_fast_path decoding=[prompt_lookup,speculative] bench.engines=[eager,graphs,frozen]
    bench.hf_peers=[generate]"
 )
 e3=$runs/eagle3_zero2/export

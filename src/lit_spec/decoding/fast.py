@@ -1,8 +1,10 @@
-"""The fast path through the one engine (``engine=static``, ``compiled`` or ``frozen`` on any decoder): a static KV
-cache rolled back by length, the attention mask cut from one additive row per decode, grouped-query attention without
-repeating the cache, and (``compiled``, ``frozen``) the target forward compiled once per query width, the prefill left
-eager. ``frozen`` compiles the weights into the graph as constants, so inductor packs them for its own GEMM kernels
-(max-autotune); a model whose weights change (the speedup callback's) decodes on ``compiled``, which reads them live.
+"""The fast path through the one engine (``engine=static``, ``compiled``, ``frozen`` or ``graphs`` on any
+decoder): a static KV cache rolled back by length, the attention mask cut from one additive row per decode,
+grouped-query attention without repeating the cache, and (but ``static``) the target forward compiled once per query
+width, the prefill left eager. ``frozen`` compiles the weights into the graph as constants, so inductor packs them for
+its own GEMM kernels (max-autotune); a model whose weights change (the speedup callback's) decodes on ``compiled``,
+which reads them live. ``graphs`` is ``compiled`` replayed as CUDA graphs on a GPU (one launch a forward); on a CPU
+it compiles without them.
 
 Compiled blocks are padded to a power-of-two width, so a decoder whose block varies (prompt lookup's drafts, a tree
 that grows) compiles a few widths, not one per length. A pad token sees only itself and is rolled back with the
@@ -24,7 +26,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from lit_spec.decoding import cache as kv
 from lit_spec.errors import ConfigError
 
-ENGINES = ("eager", "static", "compiled", "frozen")
+ENGINES = ("eager", "static", "compiled", "frozen", "graphs")
 GQA_SDPA = "lit_spec_sdpa_gqa"
 CACHE_STEP = 256          # the static cache's length is a multiple of this, so prompts of near lengths share it
 PLAIN_HEADS = ("llama", "mistral", "qwen2", "qwen3", "phi3")    # model types whose logits are lm_head(last hidden)
@@ -173,6 +175,7 @@ class FastForward:
             # every engine compiles the one code object FastForward._forward: isolated, an engine's widths count
             # against its own limit, not those of the engines (live or dead) compiled before it in the process
             self._run = torch.compile(self._forward, dynamic=False, fullgraph=True, options=self.frozen_options,
+                                      mode="reduce-overhead" if kind == "graphs" else None,
                                       recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True)
 
     @property
@@ -236,6 +239,10 @@ class FastForward:
         return out
 
     def _compiled(self, *args):
+        if self.kind == "graphs":
+            # each replay a new step: CUDA graphs may then overwrite every earlier replay's outputs (no decoder keeps
+            # one past the next forward, of the target or a draft: tests/test_decoding_fast.py)
+            torch.compiler.cudagraph_mark_step_begin()
         if self.frozen_options is None:
             return self._run(*args)
         # dynamo reads inductor's freezing flag while tracing, to take the weights as constants: torch.compile's
