@@ -5,6 +5,9 @@ compiled engines (a compile per width, seconds each) run in the slow tier."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from random_models import ARCHS, assert_same_cache, noisy_copy, random_model, random_prompts, reference_greedy
@@ -13,6 +16,7 @@ from test_dflash import dflash
 from test_eagle3 import eagle3
 from test_hidden_transfer import transfer
 
+import lit_spec.decoding.fast as fast
 from lit_spec.decoding import generate
 from lit_spec.decoding.fast import FastForward, PackedHead, width_bucket
 from lit_spec.decoding.masks import causal
@@ -66,13 +70,14 @@ class Replays:
 
     def __init__(self):
         self.issued: list[torch.Tensor] = []
+        self.count = 0
 
     def __call__(self, forward):
         def replay(*args):
             for t in self.issued:
                 t.fill_(float("nan"))
             out = forward(*args)
-            self.issued = []
+            self.issued, self.count = [], self.count + 1
             for key, value in out.items():
                 if isinstance(value, torch.Tensor):
                     out[key] = self._issue(value)
@@ -100,8 +105,10 @@ def test_every_decoder_on_graphs_that_reuse_their_output_buffers_is_identical_to
         engine.head = engine.stack = None            # the whole model in the graph, as on a GPU
         engine._run = replays(engine._forward)
     for name, (method, params) in table.items():
+        before = replays.count
         assert torch.equal(generate(model, ids, method, max_new_tokens=NEW, engine="graphs", **params).sequences,
                            ref), name
+        assert replays.count > before, name           # its forwards went through the replays
 
 
 def test_a_draft_model_decodes_on_an_engine_of_its_own(models):
@@ -222,8 +229,6 @@ def test_frozen_weights_that_change_are_refused_before_a_decode(models):
 
 def test_a_model_decoded_on_the_fast_path_is_freed_with_its_last_reference():
     """The engines are kept per model while it lives: its static cache and compiled widths do not keep it alive."""
-    import gc
-    import weakref
     model = random_model("llama", layers=1)
     generate(model, random_prompts(1, [9])[0], "ar", max_new_tokens=4, engine="static")
     alive = weakref.ref(model)
@@ -262,7 +267,6 @@ def test_compiled_decoders_are_identical_to_generate(models, arch, engine):
 def test_each_engine_compiles_within_a_recompile_limit_of_its_own(monkeypatch):
     """Every engine compiles the one code object (``FastForward._forward``): the widths that engines compiled earlier
     in the process do not count against the next engine's limit (a long test session hit it)."""
-    import lit_spec.decoding.fast as fast
     monkeypatch.setattr(fast, "RECOMPILE_LIMIT", 3)
     ids, mask = random_prompts(1, [9], seed=4)
     for seed in (1, 2):                           # three widths each: AR's 1, Jacobi's 4 and its last block's 2
