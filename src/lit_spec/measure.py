@@ -59,8 +59,9 @@ def fast_roles(runners: dict) -> dict:
 
 
 def fast_engines(runners: dict) -> list:
-    """The fast engines the runners share, drafts' included: one per model and kind."""
-    return list(fast_roles(runners).values())
+    """The fast engines the runners share, drafts' included: one per model and kind (every one, where two draft
+    models would share a ``fast_roles`` name)."""
+    return list({id(e): e for r in runners.values() if getattr(r, "fast", None) for e in r.fast_engines()}.values())
 
 
 def reserve_fast_caches(runners: dict, prompt_lengths: list[int], max_new_tokens: int) -> list:
