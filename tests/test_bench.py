@@ -89,6 +89,11 @@ def test_bench_runs_each_decoder_on_each_chosen_engine(micro_dirs, tmp_path):
         assert rest == 0 and positions > results["max_new_tokens"] and positions % CACHE_STEP == 0, role
         assert memory["packed_head"] == c.vocab_size * c.hidden_size * 4, role
     assert "memory of the fast path" in (tmp_path / "bench.md").read_text()
+    # a forward's cost by the widths each engine decoded at: AR's one token, Jacobi's 4, the chain's γ + 1
+    widths = results["forward_ms"]["static/target"]
+    assert {"1", "4", "5"} <= set(widths) and all(ms > 0 for ms in widths.values())
+    assert "1" in results["forward_ms"]["static/draft"]       # the draft's steps (and its catch-ups of 2)
+    assert "a forward's milliseconds by block width" in (tmp_path / "bench.md").read_text()
 
 
 def test_bench_runs_in_the_model_configs_dtype(micro_dirs, tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ from lit_spec.decoding.fast import FastForward, PackedHead, width_bucket
 from lit_spec.decoding.masks import causal
 from lit_spec.decoding.state import FastDecodeState
 from lit_spec.errors import ConfigError
+from lit_spec.measure import forward_ms
 
 NEW = 40
 
@@ -154,6 +155,23 @@ def test_a_reserved_cache_serves_every_shorter_decode_without_growing(models):
         assert torch.equal(generate(model, ids, "ar", max_new_tokens=NEW, engine="static").sequences,
                            reference_greedy(model, ids, mask, NEW))
         assert engine.cache is cache and engine.cache_length == length
+
+
+def test_a_forward_is_timed_at_each_width_the_engine_decoded_at_and_the_next_decode_is_unchanged(models):
+    """``measure.forward_ms``, the bench's cost of a forward by width: the widths the decodes ran (not the prompt's
+    prefill), timed on the engine's own cache, which keeps its size, and after which a decode is as before."""
+    model = noisy_copy(models["qwen2"], 0.0)            # an engine of its own: no widths from other tests
+    engine = FastForward.of(model, "static")
+    ids, mask = random_prompts(1, [9], seed=8)
+    generate(model, ids, "jacobi", max_new_tokens=NEW, engine="static", n_tokens=6)
+    widths = set(engine.widths)     # blocks of 6, and narrower ones where fewer tokens are left to decode
+    assert (6, False) in widths and all(w <= 6 and not hidden for w, hidden in widths)
+    cache, length = engine.cache, engine.cache_length
+    costs = forward_ms(engine, context=20, repeats=3)
+    assert set(costs) == {str(w) for w, _ in widths} and all(ms > 0 for ms in costs.values())
+    assert engine.widths == widths and engine.cache is cache and engine.cache_length == length
+    assert torch.equal(generate(model, ids, "ar", max_new_tokens=NEW, engine="static").sequences,
+                       reference_greedy(model, ids, mask, NEW))
 
 
 def test_the_packed_head_follows_the_weights_it_was_packed_from(models):

@@ -28,7 +28,7 @@ from lit_spec.drift import HELDOUT, check_drift_data, compare_answers, compare_n
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json, write_text
 from lit_spec.measure import (HFPeer, bandwidth_limit, build_decoders, compare, decode_prompts, fast_roles,
-                              reserve_fast_caches, vllm_peer_runs, warm_up)
+                              forward_ms, mean_context, reserve_fast_caches, vllm_peer_runs, warm_up)
 from lit_spec.precision import export_dtype
 from lit_spec.serving.vllm_runner import require_vllm
 from lit_spec.stages import ensure_stages
@@ -173,7 +173,8 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
                                str(export_dtype("auto", spec)).removeprefix("torch."), prompts, max_new,
                                eos, sampling_of(cfg)) if cfg.bench.vllm_peers else {}
     runners = build_runners(cfg, model, draft, tokenizer)
-    reserve_fast_caches(runners, [p.size(1) for p in prompts], max_new)
+    lengths = [p.size(1) for p in prompts]
+    reserve_fast_caches(runners, lengths, max_new)
     warm_up(runners, prompts[: cfg.bench.warmup_prompts], max_new, eos)
     with tqdm(total=len(prompts) * len(runners), desc="bench", unit="decode") as bar:
         def progress(name: str, stats) -> None:
@@ -182,7 +183,7 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
 
         runs = decode_prompts(runners, prompts, max_new, eos, progress)
     runs |= peer_runs
-    limit = bandwidth_limit(model, [p.size(1) for p in prompts], max_new)
+    limit = bandwidth_limit(model, lengths, max_new)
     # sampled outputs differ by chance: token identity is a greedy (temperature 0) check only
     methods = compare(runs, "ar", exact=not cfg.bench.temperature, reference="hf_generate")
     for name, m in methods.items():
@@ -191,7 +192,9 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     results = {"model": spec.name_or_path, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
                "num_prompts": len(prompts), "num_prompts_asked": cfg.bench.num_prompts, "max_new_tokens": max_new,
                "temperature": cfg.bench.temperature, "methods": methods, "compile_seconds": compile_seconds(runners),
-               "fast_memory": fast_memory(runners), "bandwidth_limit": limit}
+               "fast_memory": fast_memory(runners), "bandwidth_limit": limit,
+               "forward_ms": {role: forward_ms(engine, round(mean_context(lengths, max_new)))
+                              for role, engine in fast_roles(runners).items()}}
     metric = cfg.bench.get("metric")
     if metric is not None:      # every method's own answers: a lossless method scores what AR scores
         for name, run in runs.items():
@@ -310,6 +313,13 @@ def _memory_line(results: dict) -> str:
         for engine, m in memory.items()) + "\n\n"
 
 
+def _width_line(results: dict) -> str:
+    costs = results.get("forward_ms")
+    return "" if not costs else "a forward's milliseconds by block width (every row's logits read, at the mean " \
+        "context): " + "; ".join(f"{engine}: " + ", ".join(f"{w} {ms:.1f}" for w, ms in widths.items())
+                                 for engine, widths in costs.items()) + "\n\n"
+
+
 def write_report(results: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "bench.json", results)
@@ -321,7 +331,7 @@ def write_report(results: dict, out_dir: Path) -> None:
         + f", max_new_tokens={results['max_new_tokens']}, "
         f"temperature={results['temperature']}, device {results['device']}, {results['dtype']}, "
         f"model `{results['model']}`\n\n"
-        + _limit_line(results) + _memory_line(results) + markdown_table(results)
+        + _limit_line(results) + _memory_line(results) + _width_line(results) + markdown_table(results)
         + ("\nsampled AR answers: " if results["temperature"] else "\ngreedy answers: ")
         + ", ".join(f"{k} {v:.3f}" for k, v in results["quality"].items()) + "\n"
         + (f"\nanswers executed with isolation: {results['execution_isolation']}\n"

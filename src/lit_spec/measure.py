@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 
 from lit_spec.decoding import DECODERS, DecodeOutput, DecodeStats, Decoder, new_tokens
+from lit_spec.decoding.fast import StaticRow
+from lit_spec.decoding.masks import causal
 from lit_spec.decoding.state import eos_ids, until_eos
 from lit_spec.decoding.stats import sync_device
 from lit_spec.errors import ConfigError
@@ -232,8 +234,41 @@ def bandwidth_limit(model, prompt_lengths: list[int], max_new_tokens: int) -> di
     bandwidth. A decoder's share of it may pass 1: it reads the weights once for several tokens."""
     device = next(model.parameters()).device
     bandwidth = read_bandwidth(device)
-    per_token = bytes_per_token(model, mean(prompt_lengths) + max_new_tokens / 2)
+    per_token = bytes_per_token(model, mean_context(prompt_lengths, max_new_tokens))
     return {"read_gb_per_s": bandwidth / 1e9, "bytes_per_token": per_token, "tokens_per_s": bandwidth / per_token}
+
+
+def mean_context(prompt_lengths: list[int], max_new_tokens: int) -> float:
+    """The positions a decode's forward sees on average: its prompt and half its new tokens."""
+    return mean(prompt_lengths) + max_new_tokens / 2
+
+
+def forward_ms(engine, context: int, repeats: int = 5) -> dict[str, float]:
+    """The milliseconds a forward of each block width ``engine`` decoded at takes (``"4"``, ``"8+hidden"``: the
+    median of ``repeats``, every row's logits read) after ``context`` cached positions: what a verification costs by
+    its width, so what a draft length costs on this host (the widths are compiled already: nothing compiles here)."""
+    param = next(engine.model.parameters())
+    widest = max((w for w, _ in engine.widths), default=0)
+    context = max(1, min(context, engine.cache_length - widest))     # within the cache: a longer one recompiles
+    out = {}
+    with torch.no_grad(), engine.attention():
+        row = StaticRow(engine, context + widest, param.dtype, param.device)
+        prompt = torch.zeros(1, context, dtype=torch.long, device=param.device)
+        row.run(prompt, causal(context, param.device), torch.arange(context, device=param.device)[None], False,
+                slice(-1, None), eager=True)
+        for width, hidden in sorted(engine.widths):
+            block = torch.zeros(1, width, dtype=torch.long, device=param.device)
+            positions = torch.arange(context, context + width, device=param.device)[None]
+            times = []
+            for _ in range(repeats + 1):        # the first, a warm-up, is dropped
+                sync_device(param.device)
+                start = time.perf_counter()
+                row.run(block, causal(width, param.device), positions, hidden, slice(None))
+                sync_device(param.device)
+                times.append(time.perf_counter() - start)
+                row.set_length(context)
+            out[f"{width}{'+hidden' if hidden else ''}"] = 1e3 * sorted(times[1:])[repeats // 2]
+    return out
 
 
 def mean(values) -> float:

@@ -109,6 +109,8 @@ class StaticRow:
         mask = self.allowed[:, None, None, :].repeat(1, 1, width, 1)
         mask[0, 0, :, start: start + width] = torch.where(pattern, 0.0, self.min)
         out = self.engine(ids, mask, position_ids, hidden, rows, eager)
+        if not eager:
+            self.engine.widths.add((width, hidden))
         self.set_length(start + q)
         self.allowed[:, start: start + q] = 0.0 if valid is None else torch.where(valid, 0.0, self.min)
         return out
@@ -165,6 +167,7 @@ class FastForward:
         self.cache: kv.StaticCache | None = None
         self.cache_length = 0
         self.compile_seconds: dict[tuple[int, bool, int], float] = {}
+        self.widths: set[tuple[int, bool]] = set()     # (block width, hidden states read) of the decode forwards run
         self.head = PackedHead.of(model)
         self.stack = model.get_decoder() if self.head else None      # what runs compiled: the stack, or all of it
         self.cache_keyword = next(iter(kv.cache_argument(self.body, None)))   # looked up once, outside compiled code
