@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from random_models import ARCHS, assert_same_cache, noisy_copy, random_model, random_prompts, reference_greedy
 from test_chimera import chimera, medusa
 from test_dflash import dflash
@@ -172,6 +173,21 @@ def test_a_forward_is_timed_at_each_width_the_engine_decoded_at_and_the_next_dec
     assert engine.widths == widths and engine.cache is cache and engine.cache_length == length
     assert torch.equal(generate(model, ids, "ar", max_new_tokens=NEW, engine="static").sequences,
                        reference_greedy(model, ids, mask, NEW))
+
+
+def test_one_half_precision_query_on_a_cpu_is_attended_in_fp32_and_rounded_once():
+    """``sdpa_gqa``: a bf16 model's one-token forwards (AR, a draft's steps) attend in fp32 on a CPU, where torch's
+    bf16 flash kernel is slowest, and round once at the end; the output keeps the model's dtype and layout."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 9, 1, 64), torch.randn(1, 3, 40, 64), torch.randn(1, 3, 40, 64)
+    mask = torch.zeros(1, 1, 1, 40)
+    mask[..., 30:] = torch.finfo(torch.bfloat16).min
+    half = [t.to(torch.bfloat16) for t in (q, k, v, mask)]
+    out, _ = fast.sdpa_gqa(None, *half, scaling=0.125)
+    fp32 = F.scaled_dot_product_attention(*(t.float() for t in half[:3]), attn_mask=half[3].float(), scale=0.125,
+                                          enable_gqa=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 1, 9, 64)
+    assert torch.equal(out, fp32.to(torch.bfloat16).transpose(1, 2))
 
 
 def test_the_packed_head_follows_the_weights_it_was_packed_from(models):

@@ -247,8 +247,10 @@ def forward_ms(engine, context: int, repeats: int = 5) -> dict[str, float]:
     """The milliseconds a forward of each block width ``engine`` decoded at takes (``"4"``, ``"8+hidden"``: the
     median of ``repeats``, every row's logits read) after ``context`` cached positions: what a verification costs by
     its width, so what a draft length costs on this host (the widths are compiled already: nothing compiles here)."""
+    if not engine.widths:
+        return {}
     param = next(engine.model.parameters())
-    widest = max((w for w, _ in engine.widths), default=0)
+    widest = max(w for w, _ in engine.widths)
     context = max(1, min(context, engine.cache_length - widest))     # within the cache: a longer one recompiles
     out = {}
     with torch.no_grad(), engine.attention():
