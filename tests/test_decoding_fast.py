@@ -18,6 +18,7 @@ from test_eagle3 import eagle3
 from test_hidden_transfer import transfer
 
 import lit_spec.decoding.fast as fast
+from lit_spec.decoding import frozen
 from lit_spec.decoding import generate
 from lit_spec.decoding.fast import FastForward, PackedHead, width_bucket
 from lit_spec.decoding.masks import causal
@@ -290,11 +291,37 @@ def test_compiled_decoders_are_identical_to_generate(models, arch, engine):
         assert first.stats.compile_time > 0 and again.stats.compile_time == 0, name
         # each model's compiling comes out of its own forwards' seconds (the draft's out of draft_time)
         assert min(first.stats.forward_time, first.stats.draft_time) >= 0, name
-    if engine == "frozen":     # the weights really are constants of its graphs: a change behind autograd's back
-        model.model.layers[0].mlp.down_proj.weight.data.zero_()             # (no version bump) is not seen; read
-        changed = reference_greedy(model, ids, mask, NEW)                   # live, it would give the changed output
-        assert not torch.equal(changed, ref)
-        assert not torch.equal(generate(model, ids, "ar", max_new_tokens=NEW, engine="frozen").sequences, changed)
+    if engine == "frozen":
+        check_frozen_packages(model, ids, mask, ref, table)
+
+
+def check_frozen_packages(model, ids, mask, ref, table):
+    """A copy with the same weights (a later process's model) loads every width's package from disk, compiling none,
+    and decodes the same; the weights really are constants of the packages: a change behind autograd's back (no
+    version bump) is not seen, where read live it gives another output."""
+    packages = sorted(frozen.package_dir().iterdir())
+    twin = noisy_copy(model, 0.0)
+    for name in ("ar", "jacobi"):
+        method, params = table[name]
+        assert torch.equal(generate(twin, ids, method, max_new_tokens=NEW, engine="frozen", **params).sequences, ref)
+    engine = FastForward.of(twin, "frozen")
+    assert engine.frozen.loaded == set(engine.compile_seconds) and engine.frozen.loaded
+    assert sorted(frozen.package_dir().iterdir()) == packages
+    model.model.layers[0].mlp.down_proj.weight.data.zero_()
+    changed = reference_greedy(model, ids, mask, NEW)
+    assert not torch.equal(changed, ref)
+    assert not torch.equal(generate(model, ids, "ar", max_new_tokens=NEW, engine="frozen").sequences, changed)
+
+
+def test_a_frozen_package_is_named_by_the_weights_and_what_its_code_depends_on():
+    """engine=frozen's packages on disk are found again by a model with the same weights, and never by one whose
+    weights, dtype or compile options differ."""
+    model = random_model("llama", layers=1)
+    name = frozen.fingerprint(model, frozen.CPU_OPTIONS)
+    assert frozen.fingerprint(noisy_copy(model, 0.0), dict(frozen.CPU_OPTIONS)) == name
+    assert frozen.fingerprint(noisy_copy(model, 1e-6), frozen.CPU_OPTIONS) != name
+    assert frozen.fingerprint(noisy_copy(model, 0.0).to(torch.bfloat16), frozen.CPU_OPTIONS) != name
+    assert frozen.fingerprint(model, frozen.GPU_OPTIONS) != name
 
 
 @pytest.mark.slow

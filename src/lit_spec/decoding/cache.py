@@ -6,6 +6,7 @@ selected entries of the last block (tree acceptance), select rows of a batch.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 
@@ -85,6 +86,21 @@ def copy_prefix(source: StaticCache, target: StaticCache, length: int) -> None:
             new.lazy_initialization(old.keys[:, :, :1], old.values[:, :, :1])
         new.keys[:, :, :length] = old.keys[:, :, :length]
         new.values[:, :, :length] = old.values[:, :, :length]
+
+
+def static_tensors(cache: StaticCache) -> list[torch.Tensor]:
+    """Every layer's keys, values and length tensor, in order: what a frozen package takes the cache as."""
+    return [t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+
+
+def static_cache_on(cache: StaticCache, tensors) -> StaticCache:
+    """A copy of ``cache`` whose layers hold ``tensors`` (``static_tensors``' order) instead of their own: what a
+    frozen package's forward is traced on."""
+    shell = copy.copy(cache)
+    shell.layers = [copy.copy(layer) for layer in cache.layers]
+    for i, layer in enumerate(shell.layers):
+        layer.keys, layer.values, layer.cumulative_length = tensors[3 * i: 3 * i + 3]
+    return shell
 
 
 def set_length(cache: StaticCache, length: int) -> None:

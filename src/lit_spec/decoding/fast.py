@@ -1,9 +1,10 @@
 """The fast path through the one engine (``engine=static``, ``compiled``, ``frozen`` or ``graphs`` on any
 decoder): a static KV cache rolled back by length, the attention mask cut from one additive row per decode,
 grouped-query attention without repeating the cache, and (but ``static``) the target forward compiled once per query
-width, the prefill left eager. ``frozen`` compiles the weights into the graph as constants, so inductor packs them for
-its own GEMM kernels (max-autotune); a model whose weights change (the speedup callback's) decodes on ``compiled``,
-which reads them live. ``graphs`` is ``compiled`` replayed as CUDA graphs on a GPU (one launch a forward); on a CPU
+width, the prefill left eager. ``frozen`` compiles the weights in as constants, ahead of time, into a package per
+width kept on disk (``lit_spec.decoding.frozen``), so inductor packs them for its own GEMM kernels and a later
+process loads them; a model whose weights change (the speedup callback's) decodes on ``compiled``, which reads them
+live. ``graphs`` is ``compiled`` replayed as CUDA graphs on a GPU (one launch a forward); on a CPU
 it compiles without them.
 
 Compiled blocks are padded to a power-of-two width, so a decoder whose block varies (prompt lookup's drafts, a tree
@@ -21,18 +22,16 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from lit_spec.decoding import cache as kv
+from lit_spec.decoding.frozen import CPU_OPTIONS, GPU_OPTIONS, FrozenForwards
 from lit_spec.errors import ConfigError
 
 ENGINES = ("eager", "static", "compiled", "frozen", "graphs")
 GQA_SDPA = "lit_spec_sdpa_gqa"
 CACHE_STEP = 256          # the static cache's length is a multiple of this, so prompts of near lengths share it
 PLAIN_HEADS = ("llama", "mistral", "qwen2", "qwen3", "phi3")    # model types whose logits are lm_head(last hidden)
-# engine=frozen: weights as constants, so inductor prepacks them for its C++ GEMM template, which autotuning picks
-# over MKL's where it is faster (SmolLM2's one-row GEMMs on a 2-core EPYC: experiments/RESULTS.md)
-FROZEN_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 RECOMPILE_LIMIT = 32      # an engine's widths (powers of two) x hidden states or not x cache lengths stay under this
 
 
@@ -178,12 +177,12 @@ class FastForward:
         self.stack = model.get_decoder() if self.head else None      # what runs compiled: the stack, or all of it
         self.cache_keyword = next(iter(kv.cache_argument(self.body, None)))   # looked up once, outside compiled code
         self._run = self._forward
-        self.frozen_options = None if kind != "frozen" else FROZEN_OPTIONS if next(model.parameters()).is_cpu \
-            else {"freezing": True}
-        if self.compiled:
+        self.frozen = None if kind != "frozen" else \
+            FrozenForwards(CPU_OPTIONS if next(model.parameters()).is_cpu else GPU_OPTIONS)
+        if self.compiled and not self.frozen:
             # every engine compiles the one code object FastForward._forward: isolated, an engine's widths count
             # against its own limit, not those of the engines (live or dead) compiled before it in the process
-            self._run = torch.compile(self._forward, dynamic=False, fullgraph=True, options=self.frozen_options,
+            self._run = torch.compile(self._forward, dynamic=False, fullgraph=True,
                                       mode="reduce-overhead" if kind == "graphs" else None,
                                       recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True)
 
@@ -241,23 +240,24 @@ class FastForward:
             return self._forward(ids, mask, position_ids, hidden)
         key = (ids.size(1), hidden, self.cache_length)   # a longer cache recompiles every width
         if key in self.compile_seconds:
-            return self._compiled(ids, mask, position_ids, hidden)
+            return self._compiled(key, ids, mask, position_ids, hidden)
         start = time.perf_counter()
-        out = self._compiled(ids, mask, position_ids, hidden)
+        out = self._compiled(key, ids, mask, position_ids, hidden)
         self.compile_seconds[key] = time.perf_counter() - start
         return out
 
-    def _compiled(self, *args):
+    def _compiled(self, key, ids, mask, position_ids, hidden: bool):
+        if self.frozen:
+            main, *states = self.frozen(self, key, ids, mask, position_ids)
+            states = states[0] if states else None
+            if self.stack is None:
+                return CausalLMOutputWithPast(logits=main, hidden_states=states)
+            return BaseModelOutputWithPast(last_hidden_state=main, hidden_states=states)
         if self.kind == "graphs":
             # each replay a new step: CUDA graphs may then overwrite every earlier replay's outputs (no decoder keeps
             # one past the next forward, of the target or a draft: tests/test_decoding_fast.py)
             torch.compiler.cudagraph_mark_step_begin()
-        if self.frozen_options is None:
-            return self._run(*args)
-        # dynamo reads inductor's freezing flag while tracing, to take the weights as constants: torch.compile's
-        # options reach inductor only, so the flag is set around the call too
-        with torch._inductor.config.patch(self.frozen_options):
-            return self._run(*args)
+        return self._run(ids, mask, position_ids, hidden)
 
     def _forward(self, ids, mask, position_ids, hidden: bool):
         return self.body(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
