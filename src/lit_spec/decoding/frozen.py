@@ -1,7 +1,7 @@
 """``engine=frozen``'s forwards: each block width exported (``torch.export``) and compiled ahead of time by
 AOTInductor with the weights as constants, into a package kept on disk under ``$LIT_SPEC_CACHE/frozen`` (default
 ``~/.cache/lit_spec/frozen``). A package's name is a hash of the weights and of everything its code depends on, so a
-later process with the same model loads a width in seconds instead of compiling it for 60-120 s (SmolLM2 on a
+later process with the same model loads a width in seconds instead of compiling it for 100-125 s (SmolLM2 on a
 2-core EPYC), and a changed model, host or library compiles anew. The package runs the forward with the static
 cache's tensors as inputs, which it updates in place as the eager forward does.
 """
