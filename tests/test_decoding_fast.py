@@ -27,6 +27,7 @@ from lit_spec.errors import ConfigError
 from lit_spec.measure import forward_ms
 
 NEW = 40
+FROZEN_DECODERS = ("ar", "jacobi", "eagle3_chain")      # widths of one token, of many, and with hidden states
 
 
 def decoders(model) -> dict[str, tuple[str, dict]]:
@@ -277,13 +278,14 @@ def test_a_model_decoded_on_the_fast_path_is_freed_with_its_last_reference():
                          [("llama", "graphs"), ("qwen2", "frozen")])
 def test_compiled_decoders_are_identical_to_generate(models, arch, engine):
     """Compiled per width (inductor on the CPU; graphs: the same, CUDA graphs aside): AR, a chain, Jacobi and a tree,
-    against ``generate``; frozen (the weights as constants, every GEMM autotuned: a minute a width) AR and Jacobi.
-    The compile time is counted beside the decode, once per new width."""
+    against ``generate``; frozen (the weights as constants, every GEMM autotuned: 20-60 s a width) AR, Jacobi and
+    EAGLE-3's chain (its widths return the hidden states too). The compile time is counted beside the decode, once
+    per new width."""
     model = models[arch] if engine != "frozen" else noisy_copy(models[arch], 0.0)     # frozen: its own engine
     ids, mask = random_prompts(1, [9], seed=4)
     ref = reference_greedy(model, ids, mask, NEW)
     table = decoders(model)
-    for name in ("ar", "jacobi") if engine == "frozen" else ("ar", "speculative", "jacobi", "eagle3"):
+    for name in FROZEN_DECODERS if engine == "frozen" else ("ar", "speculative", "jacobi", "eagle3"):
         method, params = table[name]
         first = generate(model, ids, method, max_new_tokens=NEW, engine=engine, **params)
         again = generate(model, ids, method, max_new_tokens=NEW, engine=engine, **params)
@@ -301,7 +303,7 @@ def check_frozen_packages(model, ids, mask, ref, table):
     version bump) is not seen, where read live it gives another output."""
     packages = sorted(frozen.package_dir().iterdir())
     twin = noisy_copy(model, 0.0)
-    for name in ("ar", "jacobi"):
+    for name in FROZEN_DECODERS:
         method, params = table[name]
         assert torch.equal(generate(twin, ids, method, max_new_tokens=NEW, engine="frozen", **params).sequences, ref)
     engine = FastForward.of(twin, "frozen")
