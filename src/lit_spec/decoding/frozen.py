@@ -9,6 +9,7 @@ cache's tensors as inputs, which it updates in place as the eager forward does.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from pathlib import Path
 
@@ -17,6 +18,8 @@ import transformers
 
 from lit_spec.decoding import cache as kv
 from lit_spec.io import atomic_file
+
+log = logging.getLogger(__name__)
 
 # what a frozen package's code depends on beyond the weights and the libraries; bumped when the step below changes
 FORMAT = 1
@@ -94,6 +97,8 @@ class FrozenForwards:
         return self.runners[key](ids, mask, position_ids, *tensors)
 
     def _compile(self, path: Path, step: Step, inputs: tuple) -> None:
+        log.info("engine=frozen: compiling a forward of width %d into %s, once for this model and host (minutes on a "
+                 "CPU; later runs load it)", inputs[0].size(1), path)
         program = torch.export.export(step, inputs, strict=False)
         with atomic_file(path) as tmp, open(tmp, "wb") as file:
             # a copy: AOTInductor writes its own settings into the dict it is given
