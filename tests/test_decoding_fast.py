@@ -326,6 +326,16 @@ def test_a_frozen_package_is_named_by_the_weights_and_what_its_code_depends_on()
     assert frozen.fingerprint(model, frozen.GPU_OPTIONS) != name
 
 
+def test_a_frozen_package_that_does_not_load_is_compiled_anew(tmp_path, caplog):
+    """A package cut short or overwritten (a disk error, a copy from elsewhere) is compiled again, with a warning
+    naming it, rather than failing every later frozen decode."""
+    broken = tmp_path / "cut.pt2"
+    broken.write_bytes(b"PK\x03\x04 not a whole archive")
+    assert frozen.FrozenForwards._load(broken) is None
+    assert str(broken) in caplog.text and "compiling it anew" in caplog.text
+    assert frozen.FrozenForwards._load(tmp_path / "absent.pt2") is None
+
+
 @pytest.mark.slow
 def test_each_engine_compiles_within_a_recompile_limit_of_its_own(monkeypatch):
     """Every engine compiles the one code object (``FastForward._forward``): the widths that engines compiled earlier

@@ -9,8 +9,10 @@ cache's tensors as inputs, which it updates in place as the eager forward does.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -21,8 +23,6 @@ from lit_spec.io import atomic_file
 
 log = logging.getLogger(__name__)
 
-# what a frozen package's code depends on beyond the weights and the libraries; bumped when the step below changes
-FORMAT = 1
 # the weights as constants, so inductor packs them for its C++ GEMM template, which autotuning picks over MKL's where
 # it is faster (SmolLM2's one-row GEMMs on a 2-core EPYC: experiments/RESULTS.md)
 CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
@@ -34,11 +34,15 @@ def package_dir() -> Path:
 
 
 def fingerprint(model, options: dict) -> str:
-    """A hash of the model's weights and buffers, its class and config, and what the compiled code depends on: the
-    libraries' versions, the device and CPU capability, the threads inductor tuned its kernels for, the options."""
+    """A hash of the model's weights and buffers, its class and config, and what the compiled code depends on: our
+    code that it traces, the libraries' versions, the device and CPU capability, the threads inductor tuned its
+    kernels for, the options."""
     device = next(model.parameters()).device
     digest = hashlib.blake2b(digest_size=12)
-    for part in (FORMAT, type(model).__qualname__, model.config.to_json_string(), torch.__version__,
+    # the code traced beside the model's: this module and the fast path's (its attention)
+    for module in (sys.modules[__name__], sys.modules["lit_spec.decoding.fast"]):
+        digest.update(inspect.getsource(module).encode())
+    for part in (type(model).__qualname__, model.config.to_json_string(), torch.__version__,
                  transformers.__version__, str(device), torch.backends.cpu.get_cpu_capability(),
                  torch.cuda.get_device_name(device) if device.type == "cuda" else "", torch.get_num_threads(),
                  sorted(options.items())):
@@ -88,13 +92,26 @@ class FrozenForwards:
         tensors = kv.static_tensors(engine.cache)
         if key not in self.runners:
             path = self.path(engine.model, key)
-            if path.exists():
-                self.loaded.add(key)
-            else:
+            runner = self._load(path)
+            if runner is None:
                 step = Step(engine.body, engine.cache, engine.cache_keyword, hidden=key[1])
                 self._compile(path, step, (ids, mask, position_ids, *tensors))
-            self.runners[key] = torch._inductor.aoti_load_package(str(path))
+                runner = torch._inductor.aoti_load_package(str(path))
+            else:
+                self.loaded.add(key)
+            self.runners[key] = runner
         return self.runners[key](ids, mask, position_ids, *tensors)
+
+    @staticmethod
+    def _load(path: Path):
+        """The package at ``path``, or None where there is none, or one that does not load (compiled anew)."""
+        if not path.exists():
+            return None
+        try:
+            return torch._inductor.aoti_load_package(str(path))
+        except RuntimeError as error:
+            log.warning("engine=frozen: %s does not load (%s): compiling it anew", path, error)
+            return None
 
     def _compile(self, path: Path, step: Step, inputs: tuple) -> None:
         log.info("engine=frozen: compiling a forward of width %d into %s, once for this model and host (minutes on a "
