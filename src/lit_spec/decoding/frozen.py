@@ -1,7 +1,7 @@
 """``engine=frozen``'s forwards: each block width exported (``torch.export``) and compiled ahead of time by
 AOTInductor with the weights as constants, into a package kept on disk under ``$LIT_SPEC_CACHE/frozen`` (default
 ``~/.cache/lit_spec/frozen``). A package's name is a hash of the weights and of everything its code depends on, so a
-later process with the same model loads a width in seconds instead of compiling it for 100-125 s (SmolLM2 on a
+later process with the same model loads a width in seconds instead of compiling it for 85-125 s (SmolLM2 on a
 2-core EPYC), and a changed model, host or library compiles anew. The package runs the forward with the static
 cache's tensors as inputs, which it updates in place as the eager forward does.
 """
@@ -24,8 +24,11 @@ from lit_spec.io import atomic_file
 log = logging.getLogger(__name__)
 
 # the weights as constants, so inductor packs them for its C++ GEMM template, which autotuning picks over MKL's where
-# it is faster (SmolLM2's one-row GEMMs on a 2-core EPYC: experiments/RESULTS.md)
-CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# it is faster (SmolLM2's one-row GEMMs on a 2-core EPYC: experiments/RESULTS.md); kept in the package beside the
+# library, not inside it, a loaded width holds them once: 624 MB resident for SmolLM2's 544, against 1162 MB
+CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+               "aot_inductor.package_constants_in_so": False,
+               "aot_inductor.package_constants_on_disk_format": "binary_blob"}
 GPU_OPTIONS = {"freezing": True}
 
 
