@@ -18,8 +18,7 @@ from test_eagle3 import eagle3
 from test_hidden_transfer import transfer
 
 import lit_spec.decoding.fast as fast
-from lit_spec.decoding import frozen
-from lit_spec.decoding import generate
+from lit_spec.decoding import frozen, generate
 from lit_spec.decoding.fast import FastForward, PackedHead, width_bucket
 from lit_spec.decoding.masks import causal
 from lit_spec.decoding.state import FastDecodeState
