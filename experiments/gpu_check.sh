@@ -90,7 +90,8 @@ first=(
   "train chimera_ddp_bf16_base +experiment=chimera_quickstart trainer=gpu strategy=ddp model.dtype=bfloat16"
   "train hidden_transfer_fsdp_bf16_base +experiment=hidden_transfer_quickstart trainer=gpu strategy=fsdp
    model.dtype=bfloat16"
-  "bench bench_training_free_bf16 model.dtype=bfloat16
+  # every bench on eager but bench_fast_path, which runs the fast path's engines beside it
+  "bench bench_training_free_bf16 model.dtype=bfloat16 bench.engines=[eager]
    decoding=[jacobi,multiblock,lookahead,lookahead_cpu,prompt_lookup,speculative,tree,ouroboros]"
   "bench bench_fast_path decoding=[prompt_lookup,speculative] bench.engines=[eager,graphs,frozen]
    bench.hf_peers=[generate]"
@@ -99,11 +100,12 @@ e3=$runs/eagle3_zero2/export
 after=(
   "bench bench_heads decoding=[eagle3,eagle3_chain,chimera,hidden_transfer] decoding.eagle3.heads=$e3
    decoding.eagle3_chain.heads=$e3 decoding.chimera.heads=$runs/chimera_zero3/export
-   decoding.hidden_transfer.transfer=$runs/hidden_transfer_zero3/export draft=null bench.hf_peers=[generate]"
+   decoding.hidden_transfer.transfer=$runs/hidden_transfer_zero3/export draft=null bench.hf_peers=[generate]
+   bench.engines=[eager]"
   "bench bench_cllm_export model=hf model.name_or_path=$runs/cllm_zero3/export model.dtype=float32
-   model@original=tiny_target decoding=[jacobi,multiblock,lookahead,lookahead_cpu]"
+   model@original=tiny_target decoding=[jacobi,multiblock,lookahead,lookahead_cpu] bench.engines=[eager]"
   "bench bench_jacobi_forcing_export model=hf model.name_or_path=$runs/jacobi_forcing_zero3/export
-   model.dtype=float32 decoding=[jacobi,multiblock] draft=null bench.hf_peers=[generate]"
+   model.dtype=float32 decoding=[jacobi,multiblock] draft=null bench.hf_peers=[generate] bench.engines=[eager]"
 )
 if ! grep -q 'rc=[1-9]' "$out/summary.txt"; then     # a failed setup fails every run: its lines say why
   # shellcheck disable=SC2086

@@ -11,7 +11,7 @@ import torch
 from omegaconf import open_dict
 
 from lit_spec.config import compose_config
-from lit_spec.benchmark import run_benchmark
+from lit_spec.benchmark import build_runners, chosen_decoders, engine_plan, run_benchmark
 from lit_spec.decoding import DecodeStats
 from lit_spec.errors import ConfigError
 from lit_spec.measure import Run, compare, concat_runs
@@ -24,6 +24,7 @@ def bench_config(tmp_path, target, draft, *overrides):
         "model=hf", f"model.name_or_path={target}", "model.dtype=float32", *draft_override, "decoding=[]",
         "bench.num_prompts=3", "bench.max_new_tokens=16", "bench.warmup_prompts=1", "data.max_prompt_tokens=48",
         "data.max_train_samples=8",     # a bench decodes held-out prompts; the train split is tokenized all the same
+        "bench.engines=[eager]",        # auto is frozen on a CPU, tens of seconds of compiling a width: tests choose
         *overrides], config_name="bench")
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp_path)
@@ -96,6 +97,35 @@ def test_bench_runs_each_decoder_on_each_chosen_engine(micro_dirs, tmp_path):
     assert "a forward's milliseconds by block width" in (tmp_path / "bench.md").read_text()
 
 
+def test_bench_engines_auto_is_the_fast_path_where_it_measured_faster():
+    """``bench.engines=auto``, the default: on a CPU every decoder on ``frozen`` but multiblock, which measured slower
+    there than on eager; on a GPU, where the fast path is not measured yet, eager. A list runs every decoder on each
+    engine. Eager AR, the baseline, always runs."""
+    cfg = compose_config([], config_name="bench")
+    assert cfg.bench.engines == "auto"
+    specs = {"ar": {}, **chosen_decoders(cfg.decoding)}
+    cpu = engine_plan("auto", specs, torch.device("cpu"))
+    assert cpu.pop("ar") == ["eager", "frozen"] and cpu.pop("multiblock") == ["eager"]
+    assert set(cpu) == {"jacobi", "lookahead", "prompt_lookup", "speculative", "tree", "ouroboros"}
+    assert all(engines == ["frozen"] for engines in cpu.values())
+    assert engine_plan("auto", specs, torch.device("cuda")) == {name: ["eager"] for name in specs}
+    given = compose_config(["bench.engines=[static]"], config_name="bench").bench.engines
+    assert engine_plan(given, specs, torch.device("cpu")) == {"ar": ["eager", "static"]} | {
+        name: ["static"] for name in specs if name != "ar"}
+
+
+def test_bench_auto_builds_each_decoder_on_its_engine(micro_dirs, tmp_path):
+    """The runners of ``bench.engines=auto`` on a CPU, named by engine; nothing compiles before a decode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = bench_config(tmp_path, micro_dirs[0], None, "decoding=[jacobi,multiblock]", "bench.engines=auto",
+                       "bench.hf_peers=[]")
+    model = AutoModelForCausalLM.from_pretrained(micro_dirs[0], dtype=torch.float32).eval()
+    runners = build_runners(cfg, model, None, AutoTokenizer.from_pretrained(micro_dirs[0]))
+    assert list(runners) == ["ar", "multiblock", "ar@frozen", "jacobi@frozen"]
+    assert [getattr(r.fast, "kind", "eager") for r in runners.values()] == ["eager", "eager", "frozen", "frozen"]
+
+
 def test_bench_runs_in_the_model_configs_dtype(micro_dirs, tmp_path, monkeypatch):
     """``model.dtype`` sets the dtype of the bench (the draft follows it: ``draft.dtype: ${model.dtype}``)."""
     import lit_spec.benchmark as benchmark
@@ -157,7 +187,8 @@ def test_bench_rejects_bad_settings_before_decoding(micro_dirs, tmp_path):
     for override, message in [("bench.num_prompts=0", "bench.num_prompts=0: must be an integer >= 1"),
                               ("bench.max_new_tokens=-1", "bench.max_new_tokens=-1"),
                               ("bench.split=valdiation", "bench.split=valdiation: the data has no such split"),
-                              ("bench.engines=[eager,fast]", "bench.engines=.*a list of decoding engines")]:
+                              ("bench.engines=[eager,fast]", "bench.engines=.*a list of decoding engines"),
+                              ("bench.engines=frozen", "bench.engines='frozen': auto, or a list")]:
         with pytest.raises(ConfigError, match=message):
             run_benchmark(bench_config(tmp_path, target, None, override), tmp_path)
     with pytest.raises(ConfigError, match="unknown 'nope'"):

@@ -92,7 +92,7 @@ def cli(stage_cache, tmp_path_factory) -> tuple[dict[str, subprocess.CompletedPr
             for name, args in ERROR_CASES.items()}
     cmds |= {f"cfg_{e}": _train_cmd(f"+experiment={e}", f"hydra.run.dir={root / e}", "--cfg", "job")
              for e in CLI_EXPERIMENTS}
-    cmds["bench_draft"] = [sys.executable, "-m", "lit_spec.bench", "draft=tiny_draft",
+    cmds["bench_draft"] = [sys.executable, "-m", "lit_spec.bench", "draft=tiny_draft", "bench.engines=[eager]",
                            f"hydra.run.dir={root / 'bench_draft'}"]
     holder = hold_lock(root / "locked" / LOCK, TIMEOUT_S)
     try:

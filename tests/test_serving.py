@@ -166,10 +166,10 @@ def test_the_bench_runs_vllm_beside_our_decoders_on_the_same_prompts(served, tmp
     and every method's tokens/s is divided by vLLM's AR; vLLM's prompt lookup counts the forwards ours counts on these
     prompts."""
     cfg = compose_config(["model=hf", f"model.name_or_path={served['target']}", "model.dtype=float32", "draft=null",
-                          "decoding=[prompt_lookup]", "bench.hf_peers=[]", f"bench.num_prompts={PROMPTS}",
-                          f"bench.max_new_tokens={NEW_TOKENS}", "bench.vllm_peers={vllm: null, vllm_compiled: "
-                          "{compiled: true}, vllm_ngram: {method: ngram, num_speculative_tokens: 10, "
-                          "prompt_lookup_max: 2, prompt_lookup_min: 1}}"],
+                          "decoding=[prompt_lookup]", "bench.hf_peers=[]", "bench.engines=[eager]",
+                          f"bench.num_prompts={PROMPTS}", f"bench.max_new_tokens={NEW_TOKENS}",
+                          "bench.vllm_peers={vllm: null, vllm_compiled: {compiled: true}, vllm_ngram: {method: ngram, "
+                          "num_speculative_tokens: 10, prompt_lookup_max: 2, prompt_lookup_min: 1}}"],
                          config_name="bench")
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp_path)

@@ -229,7 +229,7 @@ def test_experiment_runs_every_method_on_micro_models(micro_dirs, tmp_path, task
     path = write_rows(rows, tmp_path / f"{task}.jsonl")
     overrides = [f"+experiment=ouroboros_{task}", f"model.name_or_path={micro_dirs[0]}", "model.dtype=float32",
                  f"draft.name_or_path={micro_dirs[1]}", f"data.path={path}", "bench.device=cpu", "bench.num_prompts=2",
-                 "bench.max_new_tokens=16", "bench.warmup_prompts=0"]
+                 "bench.max_new_tokens=16", "bench.warmup_prompts=0", "bench.engines=[eager]"]
     if task == "humaneval":
         overrides.append("data.template.chat=false")  # the micro tokenizer has no chat template
     cfg = compose_config(overrides, config_name="bench")
@@ -255,7 +255,8 @@ def test_gpu_bench_experiment_runs_on_micro_models(micro_dirs, tmp_path):
     path = write_rows(gsm8k_rows(4), tmp_path / "gsm8k.jsonl")
     cfg = compose_config(["+experiment=bench_qwen2_5_1_5b", f"model.name_or_path={micro_dirs[0]}", "model.dtype=float32",
                           f"draft.name_or_path={micro_dirs[1]}", f"data.path={path}", "bench.device=cpu",
-                          "bench.num_prompts=2", "bench.max_new_tokens=16", "bench.warmup_prompts=0"],
+                          "bench.num_prompts=2", "bench.max_new_tokens=16", "bench.warmup_prompts=0",
+                          "bench.engines=[eager]"],   # what bench.engines=auto is on a GPU
                          config_name="bench")
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp_path / "out")

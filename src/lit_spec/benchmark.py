@@ -93,18 +93,17 @@ def chosen_decoders(decoding: DictConfig | None) -> dict[str, dict]:
 
 
 def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
-    """Name -> runner: our AR first, then the methods of the ``decoding`` group, then transformers' peers."""
+    """Name -> runner: our AR first, then the methods of the ``decoding`` group on their engines (``NAME@ENGINE``
+    off eager), then transformers' peers."""
     bench, pad = cfg.bench, tokenizer.pad_token_id
     sampling = sampling_of(cfg)
     specs = {"ar": {}, **chosen_decoders(cfg.get("decoding"))}
-    engines = list(bench.engines)
-    # eager AR is the baseline of every speedup: it runs whatever engines are chosen
-    runners: dict = build_decoders(model, specs if "eager" in engines else {"ar": {}}, draft, pad_token_id=pad,
-                                   **sampling)
-    for engine in engines:
-        if engine != "eager":
-            fast = build_decoders(model, specs, draft, pad_token_id=pad, engine=engine, **sampling)
-            runners |= {f"{name}@{engine}": decoder for name, decoder in fast.items()}
+    plan = engine_plan(bench.engines, specs, model.device)
+    runners: dict = {}
+    for engine in dict.fromkeys(e for engines in plan.values() for e in engines):
+        chosen = {name: params for name, params in specs.items() if engine in plan[name]}
+        built = build_decoders(model, chosen, draft, pad_token_id=pad, engine=engine, **sampling)
+        runners |= {name if engine == "eager" else f"{name}@{engine}": decoder for name, decoder in built.items()}
     for mode in bench.hf_peers or []:
         if mode == "assisted" and draft is None:
             continue
@@ -112,6 +111,28 @@ def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
                       bench.prompt_lookup_tokens, bench.prompt_lookup_ngram)
         runners[peer.name] = peer
     return runners
+
+
+# methods that decoded slower on frozen than on eager on a CPU, so auto leaves them on eager: multiblock, whose blocks
+# of up to 512 tokens cost more compiled (0.92x eager on the tiny target: RESULTS, issue 61, ninth session)
+SLOWER_ON_FROZEN = {"multiblock"}
+
+
+def engine_plan(engines, specs: dict[str, dict], device: torch.device) -> dict[str, list[str]]:
+    """Each decoder's engines under ``bench.engines``: every engine of a list, or for ``auto`` the fast path where
+    it measured faster than eager, ``frozen`` on a CPU (RESULTS, issue 61) but for ``SLOWER_ON_FROZEN``, and eager on
+    a GPU, where the fast path is not measured yet. Eager AR, the baseline of every speedup, always runs."""
+    if engines != "auto":
+        plan = {name: list(engines) for name in specs}
+    elif device.type != "cpu":
+        plan = {name: ["eager"] for name in specs}
+    else:
+        plan = {name: ["eager"] if params.get("method") in SLOWER_ON_FROZEN else ["frozen"]
+                for name, params in specs.items()}
+        log.info("bench.engines=auto: on frozen %s; on eager %s", [n for n in plan if plan[n] == ["frozen"]],
+                 [n for n in plan if plan[n] == ["eager"]] or "none")
+    plan["ar"] = list(dict.fromkeys(["eager", *plan["ar"]]))
+    return plan
 
 
 def sampling_of(cfg: DictConfig) -> dict:
@@ -139,9 +160,9 @@ def check_bench(cfg: DictConfig) -> dict[str, str]:
     check_count("bench.warmup_prompts", bench.warmup_prompts, minimum=0)
     check_sampling(bench.get("temperature"), bench.get("top_p"), "bench.")
     engines = bench.get("engines")
-    if not engines or isinstance(engines, str) or any(e not in ENGINES for e in engines):
-        raise ConfigError(f"bench.engines={engines!r}: a list of decoding engines from {list(ENGINES)}, e.g. "
-                          "'bench.engines=[eager,compiled]'")
+    if engines != "auto" and (not engines or isinstance(engines, str) or any(e not in ENGINES for e in engines)):
+        raise ConfigError(f"bench.engines={engines!r}: auto, or a list of decoding engines from {list(ENGINES)}, "
+                          "e.g. 'bench.engines=[eager,compiled]'")
     if bench.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"bench.device={bench.device!r}: choose auto, cpu or cuda")
     if bench.get("metric") is not None:
