@@ -26,7 +26,8 @@ from lit_spec.errors import ConfigError
 from lit_spec.measure import forward_ms
 
 NEW = 40
-FROZEN_DECODERS = ("ar", "jacobi", "eagle3_chain")      # widths of one token, of many, and with hidden states
+# widths of one token, of many, with hidden states, and a draft model's engine of its own
+FROZEN_DECODERS = ("ar", "jacobi", "eagle3_chain", "speculative")
 
 
 def decoders(model) -> dict[str, tuple[str, dict]]:
@@ -277,9 +278,9 @@ def test_a_model_decoded_on_the_fast_path_is_freed_with_its_last_reference():
                          [("llama", "graphs"), ("qwen2", "frozen")])
 def test_compiled_decoders_are_identical_to_generate(models, arch, engine):
     """Compiled per width (inductor on the CPU; graphs: the same, CUDA graphs aside): AR, a chain, Jacobi and a tree,
-    against ``generate``; frozen (the weights as constants, every GEMM autotuned: 20-60 s a width) AR, Jacobi and
-    EAGLE-3's chain (its widths return the hidden states too). The compile time is counted beside the decode, once
-    per new width."""
+    against ``generate``; frozen (the weights as constants, every GEMM autotuned: 20-60 s a width) AR, Jacobi,
+    EAGLE-3's chain (its widths return the hidden states too) and speculative decoding (its draft model frozen too).
+    The compile time is counted beside the decode, once per new width."""
     model = models[arch] if engine != "frozen" else noisy_copy(models[arch], 0.0)     # frozen: its own engine
     ids, mask = random_prompts(1, [9], seed=4)
     ref = reference_greedy(model, ids, mask, NEW)
