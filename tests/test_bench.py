@@ -112,6 +112,8 @@ def test_bench_engines_auto_is_the_fast_path_where_it_measured_faster():
     given = compose_config(["bench.engines=[static]"], config_name="bench").bench.engines
     assert engine_plan(given, specs, torch.device("cpu")) == {"ar": ["eager", "static"]} | {
         name: ["static"] for name in specs if name != "ar"}
+    # Hidden Transfer's maps are hooks, which a frozen package does not run: auto keeps it on eager
+    assert engine_plan("auto", {"ar": {}, "ht": {"method": "hidden_transfer"}}, torch.device("cpu"))["ht"] == ["eager"]
 
 
 def test_bench_auto_builds_each_decoder_on_its_engine(micro_dirs, tmp_path):
@@ -201,6 +203,9 @@ def test_bench_rejects_bad_settings_before_decoding(micro_dirs, tmp_path):
         run_benchmark(bench_config(tmp_path, target, None, peers, "bench.device=cuda"), tmp_path)
     with pytest.raises(ConfigError, match="bench.top_p=0"):
         run_benchmark(bench_config(tmp_path, target, None, "bench.temperature=0.7", "bench.top_p=0"), tmp_path)
+    with pytest.raises(ConfigError, match=r"\['ht'\] cannot run on frozen.*choose compiled"):
+        run_benchmark(bench_config(tmp_path, target, None, "bench.engines=[eager,frozen]",
+                                   "+decoding.ht={method: hidden_transfer, transfer: none}"), tmp_path)
 
 
 def test_a_vllm_peer_without_vllm_installed_says_how_to_install_it(micro_dirs, tmp_path, monkeypatch):

@@ -248,6 +248,10 @@ def test_batches_unknown_engines_other_attention_and_short_windows_are_refused_b
     windowed.config.sliding_window = 64      # shorter than the static cache (prompt + new tokens + 256)
     with pytest.raises(ConfigError, match="sliding window is 64"):
         generate(windowed, ids[:1], "ar", engine="static")
+    # Hidden Transfer drafts through hooks on the target's layers, which an exported package would not run
+    with pytest.raises(ConfigError, match="hidden_transfer: engine=frozen .* choose engine=compiled"):
+        generate(model, ids[:1], "hidden_transfer", engine="frozen", transfer=transfer(model))
+    assert not FastForward.of(model, "frozen").compile_seconds
 
 
 def test_frozen_weights_that_change_are_refused_before_a_decode(models):

@@ -22,6 +22,7 @@ from lit_spec.data.datamodule import split_records
 from lit_spec.data.execution import describe_isolation
 from lit_spec.data.metrics import EXECUTION_METRICS, get_metric, score_answers
 from lit_spec.data.repetition import RepetitionFilter
+from lit_spec.decoding import DECODERS
 from lit_spec.decoding.fast import ENGINES
 from lit_spec.decoding.verify import check_sampling
 from lit_spec.drift import HELDOUT, check_drift_data, compare_answers, compare_nll, drift_records
@@ -120,19 +121,28 @@ SLOWER_ON_FROZEN = {"multiblock"}
 
 def engine_plan(engines, specs: dict[str, dict], device: torch.device) -> dict[str, list[str]]:
     """Each decoder's engines under ``bench.engines``: every engine of a list, or for ``auto`` the fast path where
-    it measured faster than eager, ``frozen`` on a CPU (RESULTS, issue 61) but for ``SLOWER_ON_FROZEN``, and eager on
-    a GPU, where the fast path is not measured yet. Eager AR, the baseline of every speedup, always runs."""
+    it measured faster than eager, ``frozen`` on a CPU (RESULTS, issue 61) but for ``not_frozen`` methods, and eager
+    on a GPU, where the fast path is not measured yet. Eager AR, the baseline of every speedup, always runs."""
     if engines != "auto":
         plan = {name: list(engines) for name in specs}
     elif device.type != "cpu":
         plan = {name: ["eager"] for name in specs}
     else:
-        plan = {name: ["eager"] if params.get("method") in SLOWER_ON_FROZEN else ["frozen"]
+        plan = {name: ["eager"] if not_frozen(params.get("method", name)) else ["frozen"]
                 for name, params in specs.items()}
         log.info("bench.engines=auto: on frozen %s; on eager %s", [n for n in plan if plan[n] == ["frozen"]],
                  [n for n in plan if plan[n] == ["eager"]] or "none")
     plan["ar"] = list(dict.fromkeys(["eager", *plan["ar"]]))
     return plan
+
+
+def not_frozen(method: str) -> bool:
+    """A method that ``auto`` leaves on eager on a CPU: measured slower on frozen, or refused there."""
+    return method in SLOWER_ON_FROZEN or hooked(method)
+
+
+def hooked(method: str) -> bool:
+    return getattr(DECODERS.get(method), "hooked_forward", False)
 
 
 def sampling_of(cfg: DictConfig) -> dict:
@@ -163,6 +173,10 @@ def check_bench(cfg: DictConfig) -> dict[str, str]:
     if engines != "auto" and (not engines or isinstance(engines, str) or any(e not in ENGINES for e in engines)):
         raise ConfigError(f"bench.engines={engines!r}: auto, or a list of decoding engines from {list(ENGINES)}, "
                           "e.g. 'bench.engines=[eager,compiled]'")
+    refused = [name for name, params in chosen_decoders(cfg.get("decoding")).items() if hooked(params["method"])]
+    if refused and engines != "auto" and "frozen" in engines:
+        raise ConfigError(f"bench.engines={list(engines)}: {refused} cannot run on frozen, an exported graph that does "
+                          "not run the forward hooks they draft through; drop frozen, or choose compiled")
     if bench.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"bench.device={bench.device!r}: choose auto, cpu or cuda")
     if bench.get("metric") is not None:

@@ -40,6 +40,8 @@ class Decoder(ABC):
     record_hidden = False   # the decode needs the target's last hidden states (``DecodeState.hidden``), or those of
                             # the ``hidden_states`` indices it names
     greedy_only = False     # Jacobi-style decoders: temperature 0 only (``verify.require_greedy`` says why)
+    hooked_forward = False  # the decode changes the target's forward through module hooks (Hidden Transfer's maps),
+                            # which a frozen package, exported ahead of time, would not run: frozen is refused
 
     def __init__(self, model, pad_token_id: int | None = None, engine: str = "eager"):
         """``engine``: ``eager`` (transformers' dynamic cache, every forward eager), ``static``, ``compiled`` or
@@ -60,6 +62,9 @@ class Decoder(ABC):
         method offers)."""
         if engine not in ENGINES:
             raise ConfigError(f"engine={engine!r}: choose one of {ENGINES}")
+        if engine == "frozen" and self.hooked_forward:
+            raise ConfigError(f"{self.name}: engine=frozen runs a graph exported ahead of time, which does not run the "
+                              "forward hooks this decoder drafts through; choose engine=compiled, static or eager")
         self.fast = None if engine == "eager" else FastForward.of(self.model, engine)
 
     @torch.no_grad()

@@ -26,6 +26,7 @@ class HiddenTransferDecoder(TreeDecoder):
 
     # the final (normed) states of the forward: only the k pseudo tokens of the accepted node get the LM head
     needs_draft, record_hidden = False, True
+    hooked_forward = True   # the transfer maps are pre-hooks on the target's layers (models.hidden_transfer)
 
     def __init__(self, model, transfer, tree=(2, 1, 1), **kwargs):
         self.transfer = load_draft(transfer, HiddenTransfer, model).init_from_base(model)
