@@ -142,6 +142,7 @@ def not_frozen(method: str) -> bool:
 
 
 def hooked(method: str) -> bool:
+    """The method drafts through forward hooks, which ``frozen`` refuses (``Decoder.hooked_forward``)."""
     return getattr(DECODERS.get(method), "hooked_forward", False)
 
 
