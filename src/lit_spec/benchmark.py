@@ -174,10 +174,11 @@ def check_bench(cfg: DictConfig) -> dict[str, str]:
     if engines != "auto" and (not engines or isinstance(engines, str) or any(e not in ENGINES for e in engines)):
         raise ConfigError(f"bench.engines={engines!r}: auto, or a list of decoding engines from {list(ENGINES)}, "
                           "e.g. 'bench.engines=[eager,compiled]'")
-    refused = [name for name, params in chosen_decoders(cfg.get("decoding")).items() if hooked(params["method"])]
-    if refused and engines != "auto" and "frozen" in engines:
-        raise ConfigError(f"bench.engines={list(engines)}: {refused} cannot run on frozen, an exported graph that does "
-                          "not run the forward hooks they draft through; drop frozen, or choose compiled")
+    if engines != "auto" and "frozen" in engines:     # auto keeps them on eager
+        refused = [name for name, params in chosen_decoders(cfg.get("decoding")).items() if hooked(params["method"])]
+        if refused:
+            raise ConfigError(f"bench.engines={list(engines)}: {refused} cannot run on frozen, an exported graph that "
+                              "does not run the forward hooks they draft through; drop frozen, or choose compiled")
     if bench.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"bench.device={bench.device!r}: choose auto, cpu or cuda")
     if bench.get("metric") is not None:
