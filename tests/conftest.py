@@ -159,3 +159,19 @@ def heads_training_step(module, batch: dict) -> tuple[float, list[bool]]:
     assert all(p.grad is None for p in module.model.parameters())
     assert all(torch.equal(v, base[k]) for k, v in module.model.state_dict().items())
     return loss.item(), [not torch.equal(v, heads[k]) for k, v in module.heads.state_dict().items()]
+
+
+def draft_step_on(fn, draft, engine: str):
+    """A draft's ``DraftStep`` (EAGLE-3's, DFlash's) on ``engine``; ``padded`` runs the fast path's padded widths
+    through a step whose compiling is skipped (the real compile runs in the slow tier)."""
+    from lit_spec.decoding.draft_step import DraftStep
+    step = DraftStep(fn, draft, "compiled" if engine == "padded" else engine, draft.kind)
+    if engine == "padded":
+        step._run = fn
+    return step
+
+
+def static_draft_layers(draft, attentions) -> list:
+    """The fast path's static layers of 256 positions for a draft's attention modules."""
+    from lit_spec.decoding import cache as kv
+    return [kv.static_layer(attention, 256, next(draft.parameters())) for attention in attentions]

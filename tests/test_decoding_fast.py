@@ -18,7 +18,10 @@ from test_eagle3 import eagle3
 from test_hidden_transfer import transfer
 
 import lit_spec.decoding.fast as fast
-from lit_spec.decoding import frozen, generate
+from lit_spec.decoding import DECODERS, frozen, generate
+from lit_spec.decoding import cache as kv
+from lit_spec.decoding.draft_step import DraftStep
+from lit_spec.decoding.eagle3 import draft_forward
 from lit_spec.decoding.fast import FastForward, PackedHead, width_bucket
 from lit_spec.decoding.masks import causal
 from lit_spec.decoding.state import FastDecodeState
@@ -70,7 +73,8 @@ def test_every_decoder_on_the_static_engine_is_identical_to_generate(models, arc
 
 class Replays:
     """What CUDA graphs do to their outputs, on a CPU and without compiling: after a new step's replay, of any graph
-    (they share one memory pool), the outputs of earlier replays are overwritten (here: with NaN)."""
+    (they share one memory pool), the outputs of earlier replays are overwritten (here: with NaN, or -1). A forward
+    returns a model output; a draft's step (``DraftStep``) a tensor or a tuple of them."""
 
     def __init__(self):
         self.issued: list[torch.Tensor] = []
@@ -79,9 +83,13 @@ class Replays:
     def __call__(self, forward):
         def replay(*args):
             for t in self.issued:
-                t.fill_(float("nan"))
+                t.fill_(float("nan") if t.is_floating_point() else -1)
             out = forward(*args)
             self.issued, self.count = [], self.count + 1
+            if isinstance(out, torch.Tensor):
+                return self._issue(out)
+            if isinstance(out, tuple):
+                return tuple(self._issue(v) for v in out)
             for key, value in out.items():
                 if isinstance(value, torch.Tensor):
                     out[key] = self._issue(value)
@@ -97,8 +105,8 @@ class Replays:
 
 def test_every_decoder_on_graphs_that_reuse_their_output_buffers_is_identical_to_generate(models):
     """engine=graphs on a GPU: the head runs inside the graph (no packed head there), and each replay overwrites the
-    logits and hidden states of the last (the target's or a draft model's). Every decoder, drafts and heads included,
-    stays token-identical."""
+    logits and hidden states of the last (the target's, a draft model's, or EAGLE-3's or DFlash's draft step's). Every decoder,
+    drafts and heads included, stays token-identical."""
     model = noisy_copy(models["llama"], 0.0)         # an engine of its own, faked below
     ids, mask = random_prompts(1, [9], seed=4)
     ref = reference_greedy(model, ids, mask, NEW)
@@ -109,9 +117,11 @@ def test_every_decoder_on_graphs_that_reuse_their_output_buffers_is_identical_to
         engine.head = engine.stack = None            # the whole model in the graph, as on a GPU
         engine._run = replays(engine._forward)
     for name, (method, params) in table.items():
+        decoder = DECODERS[method](model, engine="graphs", **params)
+        for step in decoder.draft_steps():
+            step._run = replays(step.fn)
         before = replays.count
-        assert torch.equal(generate(model, ids, method, max_new_tokens=NEW, engine="graphs", **params).sequences,
-                           ref), name
+        assert torch.equal(decoder.generate(ids, max_new_tokens=NEW).sequences, ref), name
         assert replays.count > before, name           # its forwards went through the replays
 
 
@@ -267,6 +277,28 @@ def test_frozen_weights_that_change_are_refused_before_a_decode(models):
     assert FastForward.of(model, "compiled").check_frozen_weights() is None    # compiled reads the weights live
 
 
+def test_a_frozen_draft_step_refuses_weights_that_changed(models):
+    """EAGLE-3's draft step on engine=frozen compiles the draft's weights in too (here its compiling is skipped): a
+    step after they changed is refused, naming compiled, which reads them live."""
+    draft = eagle3(models["llama"])
+    step = DraftStep(draft_forward, draft, "frozen", "eagle3")
+    step._run = step.fn
+    cache = kv.static_layer(draft.midlayer.self_attn, 8, draft.fc.weight)
+    one = (torch.tensor([1]), torch.zeros(1, draft.hidden_size), torch.tensor([0]), torch.eye(1, 8, dtype=torch.bool),
+           None, 2, False)
+
+    def run():
+        kv.set_length(cache, 0)
+        return step("expand1@8", cache, *one)
+
+    run()
+    run()                                         # unchanged: steps on
+    with torch.no_grad():
+        draft.lm_head.weight.add_(0.01)           # what an optimizer step does
+    with pytest.raises(ConfigError, match="engine=compiled"):
+        run()
+
+
 def test_a_model_decoded_on_the_fast_path_is_freed_with_its_last_reference():
     """The engines are kept per model while it lives: its static cache and compiled widths do not keep it alive."""
     model = random_model("llama", layers=1)
@@ -278,18 +310,19 @@ def test_a_model_decoded_on_the_fast_path_is_freed_with_its_last_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "engine"), [(arch, "compiled") for arch in ARCHS if arch != "llama"] +
-                         [("llama", "graphs"), ("qwen2", "frozen")])
-def test_compiled_decoders_are_identical_to_generate(models, arch, engine):
-    """Compiled per width (inductor on the CPU; graphs: the same, CUDA graphs aside): AR, a chain, Jacobi and a tree,
-    against ``generate``; frozen (the weights as constants, every GEMM autotuned: 20-60 s a width) AR, Jacobi,
-    EAGLE-3's chain (its widths return the hidden states too) and speculative decoding (its draft model frozen too).
-    The compile time is counted beside the decode, once per new width."""
+@pytest.mark.parametrize(("arch", "engine", "heads"), [("qwen2", "compiled", "eagle3"), ("mistral", "compiled", "dflash"),
+                                                   ("llama", "graphs", "eagle3"), ("qwen2", "frozen", None)])
+def test_compiled_decoders_are_identical_to_generate(models, arch, engine, heads):
+    """Compiled per width (inductor on the CPU; graphs: the same, CUDA graphs aside): AR, a chain, Jacobi and a tree
+    drafted by EAGLE-3's or DFlash's draft step (compiled too), against ``generate``; frozen (the weights as
+    constants, every GEMM autotuned: 20-60 s a width) AR, Jacobi, EAGLE-3's chain (its widths return the hidden states
+    too, its draft step frozen too) and speculative decoding (its draft model frozen too). The compile time is counted
+    beside the decode, once per new width, the draft's included."""
     model = models[arch] if engine != "frozen" else noisy_copy(models[arch], 0.0)     # frozen: its own engine
     ids, mask = random_prompts(1, [9], seed=4)
     ref = reference_greedy(model, ids, mask, NEW)
     table = decoders(model)
-    for name in FROZEN_DECODERS if engine == "frozen" else ("ar", "speculative", "jacobi", "eagle3"):
+    for name in FROZEN_DECODERS if engine == "frozen" else ("ar", "speculative", "jacobi", heads):
         method, params = table[name]
         first = generate(model, ids, method, max_new_tokens=NEW, engine=engine, **params)
         again = generate(model, ids, method, max_new_tokens=NEW, engine=engine, **params)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import built_method, heads_training_step
+from conftest import built_method, draft_step_on, heads_training_step, static_draft_layers
 from random_models import ARCHS, check_drafting_decoder, random_model, random_prompts, reference_greedy
 
 from lit_spec.decoding import generate
-from lit_spec.decoding.dflash import DFlashCandidates
+from lit_spec.decoding.dflash import DFlashCandidates, draft_forward
 from lit_spec.decoding.state import DecodeState
 from lit_spec.errors import ConfigError
 from lit_spec.methods.dflash import anchors_of, block_mask
@@ -49,16 +49,22 @@ def models():
     return {arch: random_model(arch) for arch in ARCHS}
 
 
-def test_a_block_from_cached_context_is_the_draft_over_the_whole_context(models):
-    """The decoder's drafter appends each forward's features to every layer's context keys and values; its block
-    predictions equal one draft forward over the whole context computed at once."""
+@pytest.mark.parametrize("engine", ["eager", "static", "padded"])
+def test_a_block_from_cached_context_is_the_draft_over_the_whole_context(models, engine):
+    """The decoder's drafter appends each forward's features to every layer's context keys and values (eager, or on
+    the fast path's static layers, its context and block padded: ``conftest.draft_step_on``); its block predictions
+    equal one draft forward over the whole context computed at once."""
     model = models["llama"]
     draft = dflash(model)
     ids, mask = random_prompts(1, [9], seed=4)
     state = DecodeState(model, ids, mask, 8, None, record_hidden=draft.hidden_states)
     state.commit([[int(state.prefill()[0].argmax(-1))]], advance=[0])
-    drafter = DFlashCandidates(draft)
+    caches = None if engine == "eager" else static_draft_layers(draft, draft.layers)
+    drafter = DFlashCandidates(draft, draft_step_on(draft_forward, draft, engine), caches, 2)
     top = drafter(state, 4, 2)
+    if engine == "padded":        # the prompt's 9 context rows ran as 16, the block's 5 as 8; the pad rows rolled back
+        assert set(drafter.step.compile_seconds) == {"16+8/top2@256"}
+        assert all(int(cache.get_seq_length()) == ids.size(1) for cache in caches)
     with torch.no_grad():
         hidden = model(ids, output_hidden_states=True).hidden_states
     features = torch.cat([hidden[i] for i in draft.hidden_states], dim=-1)

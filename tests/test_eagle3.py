@@ -8,11 +8,12 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from conftest import built_method, heads_training_step
+from conftest import built_method, draft_step_on, heads_training_step, static_draft_layers
 from random_models import ARCHS, check_drafting_decoder, random_model, random_prompts, reference_greedy
 
 from lit_spec.decoding import generate
-from lit_spec.decoding.eagle3 import Eagle3Decoder, Eagle3Drafter, Node, dynamic_tree
+from lit_spec.decoding.cache import GrowingLayer
+from lit_spec.decoding.eagle3 import Eagle3Decoder, Eagle3Drafter, Node, draft_forward, dynamic_tree
 from lit_spec.decoding.state import DecodeState
 from lit_spec.errors import ConfigError
 from lit_spec.models.eagle3 import Eagle3Draft, shifted
@@ -72,26 +73,37 @@ def test_the_training_time_test_never_sees_what_decoding_cannot():
         assert not torch.allclose(_steps(draft, model, changed)[i][0, n], state[0, n])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_decoding_drafts_what_training_predicts(models, arch):
+def drafter_on(draft: Eagle3Draft, prompt: list[int], engine: str, k: int) -> Eagle3Drafter:
+    """A drafter on ``engine``'s cache (``conftest.draft_step_on``): eager's grows, the others' is static."""
+    cache = GrowingLayer() if engine == "eager" else static_draft_layers(draft, [draft.midlayer.self_attn])[0]
+    return Eagle3Drafter(draft, prompt, draft_step_on(draft_forward, draft, engine), cache, k)
+
+
+@pytest.mark.parametrize(("arch", "engine"), [("llama", "eager"), ("qwen2", "eager"), ("llama", "static"),
+                                              ("qwen2", "padded")])
+def test_decoding_drafts_what_training_predicts(models, arch, engine):
     """The chain's drafts at every depth are the training-time test's top-k on the sequence prompt + the target's
-    next token + the draft's own top-1 guesses (same features, keys and positions)."""
+    next token + the draft's own top-1 guesses (same features, keys and positions), on the eager cache and on the
+    fast path's static one, whose padded rows change nothing."""
     model = models[arch]
     draft = eagle3(model)
     ids, mask = random_prompts(1, [9], seed=6)
     state = DecodeState(model, ids, mask, 10, None, record_hidden=tuple(draft.layers))
     first = int(state.prefill()[0].argmax())
     state.commit([[first]], advance=[0])
-    drafter = Eagle3Drafter(draft, ids[0].tolist())
+    drafter = drafter_on(draft, ids[0].tolist(), engine, k=5)
     node = Node((), first, 0.0, None)
-    node.state = drafter.root(state)
+    node.state, _, top = drafter.root(state)
     drafted = []
     for depth in range(1, 4):
-        values, top = drafter.top(node.state[None], 5)
-        drafted.append(top[0])
-        node = Node(node.path + (0,), int(top[0, 0]), 0.0, node)
+        drafted.append(top)
+        node = Node(node.path + (0,), int(top[0]), 0.0, node)
         if depth < 3:
-            drafter.expand([node], depth, 5)
+            top = drafter.expand([node], depth)[1][0]
+    if engine == "padded":        # the root's 9 rows ran as 16, each expansion's 1 as 1
+        assert set(drafter.step.compile_seconds) == {"root16/top5@256", "expand1/top5@256"}
+    # the prompt's rows and the two drafted ones: the pad rows were rolled back
+    assert drafter.length == ids.size(1) and int(drafter.kv.get_seq_length()) == drafter.length + 2
     sequence = torch.tensor([ids[0].tolist() + [first] + [int(t[0]) for t in drafted]])
     states, n = _steps(draft, model, sequence), ids.size(1) - 1
     for i, state in enumerate(states):
@@ -112,10 +124,10 @@ def test_the_dynamic_tree_keeps_its_best_nodes_prefix_closed(models):
     ids, mask = random_prompts(1, [7], seed=3)
     state = DecodeState(model, ids, mask, 10, None, record_hidden=tuple(draft.layers))
     state.commit([[int(state.prefill()[0].argmax())]], advance=[0])
-    drafter = Eagle3Drafter(draft, ids[0].tolist())
+    drafter = drafter_on(draft, ids[0].tolist(), "padded", k=3)
     pending = Node((), int(state.pending[0]), 0.0, None)
-    pending.state = drafter.root(state)
-    nodes = dynamic_tree(drafter, pending, depth=4, top_k=3, total=10)
+    pending.state, *top = drafter.root(state)
+    nodes = dynamic_tree(drafter, pending, top, depth=4, top_k=3, total=10)
     paths = {n.path for n in nodes}
     assert len(nodes) == 10 and all(n.path[:-1] in paths for n in nodes if len(n.path) > 1)
     assert [n.score for n in nodes] == sorted((n.score for n in nodes), reverse=True)

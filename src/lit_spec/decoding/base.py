@@ -75,7 +75,8 @@ class Decoder(ABC):
         args = (self.model, input_ids, attention_mask, max_new_tokens, eos_token_id, self.record_hidden)
         state = DecodeState(*args) if self.fast is None else FastDecodeState(self.fast, *args)
         engines = self.fast_engines()
-        compiled_before = [e.compile_time for e in engines]
+        compiling = [*engines, *self.draft_steps()]      # the target's first, then the drafts'
+        compiled_before = [c.compile_time for c in compiling]
         sync_device(input_ids.device)
         start = time.perf_counter()
         with ExitStack() as spans:
@@ -85,7 +86,7 @@ class Decoder(ABC):
         sync_device(input_ids.device)
         state.stats.wall_time = time.perf_counter() - start
         if self.fast:     # compiling a new width is kept out of the timings, each model's out of its own forwards
-            target, *drafts = (e.compile_time - before for e, before in zip(engines, compiled_before))
+            target, *drafts = (c.compile_time - before for c, before in zip(compiling, compiled_before))
             state.stats.compile_time = target + sum(drafts)
             state.stats.wall_time -= state.stats.compile_time
             state.stats.forward_time -= target
@@ -102,6 +103,11 @@ class Decoder(ABC):
         """The transformers draft models this decoder runs beside the target (on the fast path when it is)."""
         draft = getattr(self, "draft_model", None)
         return [draft] if draft is not None else []
+
+    def draft_steps(self) -> list:
+        """The compiled steps of a draft that is not a transformers model (``DraftStep``: EAGLE-3's layer), on the
+        target's engine kind; none eager."""
+        return []
 
     @abstractmethod
     def _decode(self, state: DecodeState) -> dict | None: ...

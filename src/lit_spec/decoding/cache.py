@@ -103,10 +103,20 @@ def static_cache_on(cache: StaticCache, tensors) -> StaticCache:
     return shell
 
 
-def set_length(cache: StaticCache, length: int) -> None:
-    """Roll a static cache back (or forward) to its first ``length`` positions: only its length moves; the stale
-    entries after it are overwritten by the next forward and masked until then."""
-    for layer in cache.layers:
+def static_layer(attention, length: int, like: torch.Tensor) -> StaticLayer:
+    """One static layer of ``length`` positions for a draft's own attention module (EAGLE-3's: ``kv_heads`` heads of
+    ``head_dim``), of ``like``'s dtype and device, allocated here, outside compiled code, so that its tensors keep
+    static addresses (transformers marks them only there)."""
+    layer = StaticLayer(length)
+    empty = like.new_empty(1, attention.kv_heads, 0, attention.head_dim)
+    layer.lazy_initialization(empty, empty)
+    return layer
+
+
+def set_length(cache: StaticCache | StaticLayer, length: int) -> None:
+    """Roll a static cache (or one static layer) back or forward to its first ``length`` positions: only its length
+    moves; the stale entries after it are overwritten by the next forward and masked until then."""
+    for layer in [cache] if isinstance(cache, StaticLayer) else cache.layers:
         layer.cumulative_length.fill_(length)
 
 

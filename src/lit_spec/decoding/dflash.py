@@ -14,47 +14,81 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 
 from lit_spec.decoding.base import register
 from lit_spec.decoding.cache import GrowingLayer
 from lit_spec.decoding.draft_heads import _count_draft, load_draft
+from lit_spec.decoding.draft_step import DraftStep, SteppedDraft
+from lit_spec.decoding.fast import width_bucket
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.tree import TreeDecoder
 from lit_spec.errors import ConfigError
 from lit_spec.models.dflash import DFlashDraft
 
 
-class DFlashCandidates:
-    """One decode's drafting state: every draft layer's context keys and values of the verified prefix."""
+def draft_forward(draft: DFlashDraft, caches: list, features: torch.Tensor, context_positions: torch.Tensor,
+                  block: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Append the target's ``features`` [m, kH] at ``context_positions`` [m] to every layer's cache (``caches``), then
+    run ``block`` [Q] (-1: a mask slot) at ``positions`` [Q], its rows seeing the caches' keys and the block where
+    ``allowed`` [Q, keys + Q] (None: all): the top-``k`` target ids [Q - 1, k] of slots 1..Q-1. What ``DraftStep``
+    compiles on the fast path."""
+    context = [cache.update(*kv) for cache, kv in zip(caches, draft.context(features[None], context_positions[None]))]
+    states = draft(block[None], positions[None], context, None if allowed is None else allowed[None, None])
+    return draft.logits(states[0, 1:]).topk(k, dim=-1).indices
 
-    def __init__(self, draft: DFlashDraft):
-        self.draft = draft
-        self.kv = [GrowingLayer() for _ in draft.layers]
+
+class DFlashCandidates:
+    """One decode's drafting state: every draft layer's context keys and values of the verified prefix (``length``
+    rows). Eager, they grow as the decode does; on the fast path they are static layers kept by the decoder, each
+    forward's context and block padded to power-of-two widths (a pad row is seen by no real one, and the context's are
+    rolled back) and run through the compiled ``step``. Each slot scores its ``k`` best tokens."""
+
+    def __init__(self, draft: DFlashDraft, step: DraftStep, caches: list | None, k: int):
+        self.draft, self.step, self.k = draft, step, k
+        self.static = caches is not None
+        self.kv = caches if self.static else [GrowingLayer() for _ in draft.layers]
+        draft.rotary.on(draft.fc.weight.device)
         self.length = 0
 
     def __call__(self, state: DecodeState, depth: int, k: int) -> torch.Tensor:
         """The top-``k`` tokens [depth, k] of block slots 1..``depth``, after reading the last forward's features."""
-        start, draft = time.perf_counter(), self.draft
-        features = state.hidden                                           # [1, m, kH]
-        m, device = features.size(1), features.device
-        positions = torch.arange(self.length, self.length + m, device=device)[None]
-        context = [layer.update(*kv) for layer, kv in zip(self.kv, draft.context(features, positions))]
+        start = time.perf_counter()
+        features = state.hidden[0]                                        # [m, kH]
+        m, q, device = features.size(0), depth + 1, features.device
+        context_positions = torch.arange(self.length, self.length + m, device=device)
+        block = torch.full((q,), -1, dtype=torch.long, device=device)
+        block[0] = state.pending[0]
+        positions = torch.arange(self.length + m, self.length + m + q, device=device)
+        context, width = (width_bucket(m), width_bucket(q)) if self.step.compiled else (m, q)
+        allowed, keys = None, 0
+        if self.static:           # of every key the caches hold: the valid context, and the block's real rows
+            keys = self.kv[0].max_cache_len
+            if self.length + context > keys:
+                raise RuntimeError(f"dflash: {self.length + context} context rows in a cache of {keys}")
+            allowed = torch.zeros(width, keys + width, dtype=torch.bool, device=device)
+            allowed[:, : self.length + m] = True
+            allowed[:, keys: keys + q] = True
+            features = F.pad(features, (0, 0, 0, context - m))
+            context_positions = F.pad(context_positions, (0, context - m))
+            block, positions = F.pad(block, (0, width - q), value=-1), F.pad(positions, (0, width - q))
+        top = self.step(f"{context}+{width}/top{self.k}@{keys}", self.kv, features, context_positions, block, positions, allowed,
+                        self.k)
+        if context > m:
+            for cache in self.kv:
+                cache.crop(m - context)
         self.length += m
-        block = torch.full((1, depth + 1), -1, dtype=torch.long, device=device)
-        block[0, 0] = state.pending[0]
-        positions = torch.arange(self.length, self.length + depth + 1, device=device)[None]
-        states = draft(block, positions, context, None)                   # the whole context, the block both ways
-        top = draft.logits(states[0, 1:]).topk(k, dim=-1).indices
         _count_draft(state, start, 1)
-        return top
+        return top[:depth, :k]
 
 
 @register("dflash")
-class DFlashDecoder(TreeDecoder):
+class DFlashDecoder(SteppedDraft, TreeDecoder):
     """Block drafting with a DFlash draft (``heads``: a ``DFlashDraft`` or a directory from ``save_heads``);
     ``tree``: top-k per slot (default: the chain of the draft's block, ``[1] * (block_size - 1)``) or paths."""
 
     needs_draft = False
+    draft_forward = staticmethod(draft_forward)
 
     def __init__(self, model, heads, tree=None, **kwargs):
         self.draft = load_draft(heads, DFlashDraft, model)
@@ -66,4 +100,8 @@ class DFlashDecoder(TreeDecoder):
         self.record_hidden = self.draft.hidden_states
 
     def new_candidates(self, state: DecodeState) -> DFlashCandidates:
-        return DFlashCandidates(self.draft)
+        """Eager: context caches that grow as the decode does. Fast: the decoder's static layers, one per draft layer,
+        room for every token and a padded context block."""
+        caches = None if self.fast is None else self.static_layers(
+            list(self.draft.layers), state.prompt.size(1) + state.max_new_tokens + 2 * self.draft.block_size)
+        return DFlashCandidates(self.draft, self.step, caches, self.spec.top_k)

@@ -28,8 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from lit_spec.decoding.base import register
-from lit_spec.decoding.cache import GrowingLayer
+from lit_spec.decoding.cache import GrowingLayer, StaticLayer
 from lit_spec.decoding.draft_heads import _count_draft, load_draft
+from lit_spec.decoding.draft_step import DraftStep, SteppedDraft
+from lit_spec.decoding.fast import width_bucket
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.tree import TreeDecoder, TreeSpec, verify_tree
 from lit_spec.errors import ConfigError, check_count
@@ -50,33 +52,65 @@ class Node:
         self.row: int | None = None
 
 
-class Eagle3Drafter:
-    """One decode's drafting state: the draft's KV cache of the verified prefix (``length`` rows) and, within a
-    step, the drafted rows after it."""
+def draft_forward(draft: Eagle3Draft, kv, tokens: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
+                  allowed: torch.Tensor, rows: torch.Tensor | None, k: int, fuse: bool):
+    """One draft forward of Q rows appended to ``kv`` (``tokens`` [Q], ``states`` [Q, H], or with ``fuse`` the target's
+    concatenated features [Q, kH], ``positions`` [Q]), seeing the cache's keys where ``allowed`` [Q, keys]: the output
+    states [Q, H] and, of ``rows`` (None: all), the top-``k`` next-token log-probabilities and their target ids. What
+    ``DraftStep`` compiles on the fast path."""
+    if fuse:
+        states = draft.features(states)
+    states = states[None]
+    q, key, value = draft.midlayer.qkv(draft.embed(tokens[None]).to(states.dtype), states,
+                                       draft.rotary(states, positions[None]))
+    keys, values = kv.update(key, value)
+    attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[None, None], enable_gqa=True)
+    out = draft.midlayer.finish(states, attended)[0]
+    scored = out if rows is None else out.index_select(0, rows)
+    values, ids = draft.logits(scored).float().log_softmax(-1).topk(k, dim=-1)
+    return out, values, draft.draft_ids[ids]
 
-    def __init__(self, draft: Eagle3Draft, prompt: list[int]):
-        self.draft, self.prompt = draft, prompt
-        self.kv = GrowingLayer()
-        self.length = 0
+
+class Eagle3Drafter:
+    """One decode's drafting state: the draft's KV cache (``kv``) of the verified prefix (``length`` rows) and, within a
+    step, the ``drafted`` rows after it. Eager, ``kv`` grows as the decode does; on the fast path it is a static layer
+    kept by the decoder, each forward padded to a power-of-two width (a pad row sees only itself and is rolled back)
+    and run through the compiled ``step``. Each forward scores the ``k`` best next tokens of the rows it reads."""
+
+    def __init__(self, draft: Eagle3Draft, prompt: list[int], step: DraftStep, kv, k: int):
+        self.draft, self.prompt, self.step, self.kv, self.k = draft, prompt, step, kv, k
+        self.static = isinstance(kv, StaticLayer)
+        draft.rotary.on(draft.fc.weight.device)
+        self.length = self.drafted = 0
         self.forwards = 0
 
-    def _layer(self, tokens: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
-               allowed: torch.Tensor) -> torch.Tensor:
-        """One draft forward of Q rows (``tokens`` [Q], ``states`` [Q, H], ``positions`` [Q]) appended to the cache,
-        seeing its keys where ``allowed`` [Q, cache + Q]; returns the output states [Q, H]."""
-        draft = self.draft
-        states = states[None]
-        q, k, v = draft.midlayer.qkv(draft.embed(tokens[None]).to(states.dtype), states,
-                                     draft.rotary(states, positions[None]))
-        keys, values = self.kv.update(k, v)
+    def _layer(self, tokens: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+               rows: torch.Tensor | None = None, fuse: bool = False):
+        """``draft_forward`` on this decode's cache, after its ``length + drafted`` rows; its outputs cut to the Q
+        rows given."""
+        q, cached = tokens.size(0), self.length + self.drafted
+        width = width_bucket(q) if self.step.compiled else q
+        keys = self.kv.max_cache_len if self.static else cached + q
+        if cached + width > keys:
+            raise RuntimeError(f"eagle3: {cached + width} draft rows in a cache of {keys}")
+        pad = width - q
+        allowed = F.pad(allowed, (0, keys - cached - q, 0, pad))         # every key of the cache, the pad rows
+        if pad:
+            tokens, positions = F.pad(tokens, (0, pad)), F.pad(positions, (0, pad))
+            states = F.pad(states, (0, 0, 0, pad))
+            idle = torch.arange(q, width, device=allowed.device)
+            allowed[idle, cached + idle] = True
+        label = f"{'root' if fuse else 'expand'}{width}/top{self.k}@{keys}"
+        out, values, ids = self.step(label, self.kv, tokens, states, positions, allowed, rows, self.k, fuse)
+        if pad:
+            self.kv.crop(-pad)
         self.forwards += 1
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[None, None], enable_gqa=True)
-        return draft.midlayer.finish(states, attended)[0]
+        return out[:q], values[:q], ids[:q]
 
-    def root(self, state: DecodeState) -> torch.Tensor:
-        """Read the positions the target's last forward cached into the draft's cache; the output state [H] of the
-        last one, which reads the pending token."""
-        features = self.draft.features(state.hidden)[0]                 # [m, H]
+    def root(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Read the positions the target's last forward cached into the draft's cache: the output state [H] of the
+        last one, which reads the pending token, and its top-``k`` (log-probabilities, target ids), each [k]."""
+        features = state.hidden[0]                                       # [m, kH]
         m, device = features.size(0), features.device
         tokens = self.prompt + state.out[0]
         if self.length + m != len(tokens) - 1:
@@ -84,19 +118,19 @@ class Eagle3Drafter:
         following = torch.tensor(tokens[self.length + 1:], device=device)     # the token after each position
         positions = torch.arange(self.length, self.length + m, device=device)
         allowed = torch.ones(m, self.length + m, dtype=torch.bool, device=device).tril(self.length)
-        out = self._layer(following, features, positions, allowed)
+        last = torch.tensor([m - 1], device=device)
+        out, values, ids = self._layer(following, features, positions, allowed, rows=last, fuse=True)
         self.length += m
-        return out[-1]
+        return out[-1], values[0], ids[0]
 
-    def expand(self, nodes: list[Node], depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def expand(self, nodes: list[Node], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed ``nodes`` (all at ``depth``, parents expanded) in one forward; store their output states; return the
         top-``k`` of each's next-token log-probabilities as (values, target ids), each [len(nodes), k]."""
         device = self.draft.d2t.device
-        drafted = self.kv.get_seq_length() - self.length
-        allowed = torch.zeros(len(nodes), self.length + drafted + len(nodes), dtype=torch.bool, device=device)
+        allowed = torch.zeros(len(nodes), self.length + self.drafted + len(nodes), dtype=torch.bool, device=device)
         allowed[:, : self.length] = True
         for i, node in enumerate(nodes):
-            node.row = drafted + i
+            node.row = self.drafted + i
             ancestor = node
             while ancestor.parent is not None:               # itself and its drafted ancestors, not the pending token
                 allowed[i, self.length + ancestor.row] = True
@@ -104,20 +138,16 @@ class Eagle3Drafter:
         states = torch.stack([node.parent.state for node in nodes])
         tokens = torch.tensor([node.token for node in nodes], device=device)
         positions = torch.full((len(nodes),), self.length - 1 + depth, device=device)
-        out = self._layer(tokens, states, positions, allowed)
+        out, values, ids = self._layer(tokens, states, positions, allowed)
+        self.drafted += len(nodes)
         for node, s in zip(nodes, out):
             node.state = s
-        return self.top(out, k)
-
-    def top(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logp = self.draft.logits(states).float().log_softmax(-1)
-        values, ids = logp.topk(k, dim=-1)
-        return values, self.draft.draft_ids[ids]
+        return values, ids
 
     def drop_drafted(self) -> None:
-        drafted = self.kv.get_seq_length() - self.length
-        if drafted:
-            self.kv.crop(-drafted)
+        if self.drafted:
+            self.kv.crop(-self.drafted)
+            self.drafted = 0
 
 
 def children(parent: Node, values: torch.Tensor, ids: torch.Tensor) -> list[Node]:
@@ -126,9 +156,10 @@ def children(parent: Node, values: torch.Tensor, ids: torch.Tensor) -> list[Node
             for r, (v, t) in enumerate(zip(values, ids))]
 
 
-def static_tree(drafter: Eagle3Drafter, pending: Node, spec: TreeSpec) -> list[Node]:
-    """Every node of ``spec``, each child the given rank of its parent's own top-k; the nodes in spec order."""
-    nodes, tops = {(): pending}, {(): drafter.top(pending.state[None], spec.top_k)[1][0]}   # ranked target ids
+def static_tree(drafter: Eagle3Drafter, pending: Node, top: torch.Tensor, spec: TreeSpec) -> list[Node]:
+    """Every node of ``spec``, each child the given rank of its parent's own top-k (``top``: the pending token's,
+    ranked target ids); the nodes in spec order."""
+    nodes, tops = {(): pending}, {(): top}
     parents = {p[:-1] for p in spec.paths}
     for depth in range(1, spec.depth + 1):
         level = [p for p in spec.paths if len(p) == depth]
@@ -136,19 +167,20 @@ def static_tree(drafter: Eagle3Drafter, pending: Node, spec: TreeSpec) -> list[N
             nodes[path] = Node(path, int(tops[path[:-1]][path[-1]]), 0.0, nodes[path[:-1]])
         expanding = [p for p in level if p in parents]
         if expanding:
-            ids = drafter.expand([nodes[p] for p in expanding], depth, spec.top_k)[1]
+            ids = drafter.expand([nodes[p] for p in expanding], depth)[1]
             tops.update(zip(expanding, ids))
     return [nodes[p] for p in spec.paths]
 
 
-def dynamic_tree(drafter: Eagle3Drafter, pending: Node, depth: int, top_k: int, total: int) -> list[Node]:
-    """EAGLE-2's tree: expand the ``top_k`` best of each depth, keep the ``total`` best of all drafted nodes."""
-    values, ids = drafter.top(pending.state[None], top_k)
-    level = children(pending, values[0], ids[0])
+def dynamic_tree(drafter: Eagle3Drafter, pending: Node, top: tuple[torch.Tensor, torch.Tensor], depth: int,
+                 top_k: int, total: int) -> list[Node]:
+    """EAGLE-2's tree: expand the ``top_k`` best of each depth (the pending token's ``top``: its top-k log-probabilities
+    and target ids), keep the ``total`` best of all drafted nodes."""
+    level = children(pending, *top)
     drafted = list(level)
     for d in range(1, depth):
         expanding = sorted(level, key=lambda n: -n.score)[:top_k]
-        values, ids = drafter.expand(expanding, d, top_k)
+        values, ids = drafter.expand(expanding, d)
         level = [c for node, v, t in zip(expanding, values, ids) for c in children(node, v, t)]
         drafted += level
     # best first; a tie goes to the shallower node, so a parent never loses its place to its own child
@@ -156,12 +188,13 @@ def dynamic_tree(drafter: Eagle3Drafter, pending: Node, depth: int, top_k: int, 
 
 
 @register("eagle3")
-class Eagle3Decoder(TreeDecoder):
+class Eagle3Decoder(SteppedDraft, TreeDecoder):
     """Tree decoding with an EAGLE-3 draft (``heads``: an ``Eagle3Draft`` or a directory from ``save_heads``).
     ``tree``: top-k per depth or paths (a chain: ``[1] * depth``), or ``dynamic`` with ``depth``, ``top_k`` and
     ``total_tokens`` (EAGLE-2's tree)."""
 
     needs_draft = False
+    draft_forward = staticmethod(draft_forward)
 
     def __init__(self, model, heads, tree=DYNAMIC, depth: int = 6, top_k: int = 10, total_tokens: int = 60,
                  **kwargs):
@@ -179,6 +212,16 @@ class Eagle3Decoder(TreeDecoder):
             raise ConfigError(f"top_k={self.spec.top_k} exceeds the draft's vocabulary of "
                               f"{self.draft.draft_vocab_size}")
         self.record_hidden = tuple(self.draft.layers)
+        # the draft rows a step may add after the verified ones: every expanded node, each forward padded
+        expanded = self.top_k * (self.spec.depth - 1) if self.dynamic else len(self.spec)
+        self.draft_rows = 2 * (expanded + self.spec.depth + 1)
+
+    def _draft_cache(self, state: DecodeState):
+        """Eager: a cache that grows as the decode does. Fast: the decoder's static layer."""
+        if self.fast is None:
+            return GrowingLayer()
+        return self.static_layers([self.draft.midlayer.self_attn],
+                                  state.prompt.size(1) + state.max_new_tokens + self.draft_rows)[0]
 
     def _tree(self, drafter: Eagle3Drafter, state: DecodeState) -> tuple[TreeSpec, torch.Tensor]:
         """The step's tree and its tokens (in the spec's node order), cut to the tokens still to decode."""
@@ -187,21 +230,22 @@ class Eagle3Decoder(TreeDecoder):
             return spec, state.pending.new_empty(0)
         start, forwards = time.perf_counter(), drafter.forwards
         pending = Node((), int(state.pending[0]), 0.0, None)
-        pending.state = drafter.root(state)
+        pending.state, *top = drafter.root(state)
         if self.dynamic:
-            nodes = dynamic_tree(drafter, pending, spec.depth, self.top_k, self.total)
+            nodes = dynamic_tree(drafter, pending, top, spec.depth, self.top_k, self.total)
             spec = TreeSpec.from_paths([n.path for n in nodes])
             token = {n.path: n.token for n in nodes}
             tokens = [token[p] for p in spec.paths]
         else:
-            tokens = [n.token for n in static_tree(drafter, pending, spec)]
+            tokens = [n.token for n in static_tree(drafter, pending, top[1], spec)]
         drafter.drop_drafted()
         _count_draft(state, start, drafter.forwards - forwards)
         return spec, torch.tensor(tokens, device=state.pending.device)
 
     def _decode(self, state: DecodeState) -> None:
         state.require_single_row(self.name)
-        drafter = Eagle3Drafter(self.draft, state.prompt[0][state.prompt_mask[0].bool()].tolist())
+        drafter = Eagle3Drafter(self.draft, state.prompt[0][state.prompt_mask[0].bool()].tolist(), self.step,
+                                self._draft_cache(state), self.spec.top_k)
         self.commit_first(state)
         while not state.finished:
             spec, tokens = self._tree(drafter, state)

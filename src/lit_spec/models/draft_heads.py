@@ -60,10 +60,15 @@ class DraftRotary:
         self.config = LlamaConfig(hidden_size=hidden_size, **settings)
         self.by_device: dict[torch.device, nn.Module] = {}
 
+    def on(self, device: torch.device) -> nn.Module:
+        """The rotary module on ``device``, built at its first use: a compiled draft step builds it first, outside
+        the compiled code (a module built while tracing breaks the graph)."""
+        if device not in self.by_device:
+            self.by_device[device] = LlamaRotaryEmbedding(self.config).to(device)
+        return self.by_device[device]
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor):
-        if x.device not in self.by_device:
-            self.by_device[x.device] = LlamaRotaryEmbedding(self.config).to(x.device)
-        return self.by_device[x.device](x, positions)
+        return self.on(x.device)(x, positions)
 
 
 def swiglu_mlp(hidden_size: int, intermediate_size: int) -> nn.ModuleDict:
