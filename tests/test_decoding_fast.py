@@ -11,6 +11,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import draft_step_on
 from random_models import ARCHS, assert_same_cache, noisy_copy, random_model, random_prompts, reference_greedy
 from test_chimera import chimera, medusa
 from test_dflash import dflash
@@ -275,6 +276,21 @@ def test_frozen_weights_that_change_are_refused_before_a_decode(models):
     with pytest.raises(ConfigError, match="engine=compiled"):
         engine.check_frozen_weights()
     assert FastForward.of(model, "compiled").check_frozen_weights() is None    # compiled reads the weights live
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_a_long_prompt_read_padded_fits_the_drafts_static_layers(method):
+    """The draft reads a prompt's features at once, padded to a power of two (1100 rows as 2048) on the compiled path
+    (here its compiling skipped: ``conftest.draft_step_on``): more rows than the target's static cache holds, so the
+    draft's layers are sized for it, and the decode stays identical to ``generate``."""
+    model = random_model("llama")
+    model.config.max_position_embeddings = 2048
+    ids, mask = random_prompts(1, [1100], seed=4)
+    heads = eagle3(model) if method == "eagle3" else dflash(model)
+    decoder = DECODERS[method](model, heads=heads, tree=[1, 1], engine="static")
+    decoder.step = draft_step_on(decoder.draft_forward, decoder.draft, "padded")
+    assert torch.equal(decoder.generate(ids, max_new_tokens=6).sequences, reference_greedy(model, ids, mask, 6))
+    assert decoder.step.layers[0].max_cache_len > FastForward.of(model, "static").cache_length
 
 
 def test_a_frozen_draft_step_refuses_weights_that_changed(models):

@@ -101,7 +101,8 @@ class DFlashDecoder(SteppedDraft, TreeDecoder):
 
     def new_candidates(self, state: DecodeState) -> DFlashCandidates:
         """Eager: context caches that grow as the decode does. Fast: the decoder's static layers, one per draft layer,
-        room for every token and a padded context block."""
+        room for the prompt's rows read at once, padded to a power of two, and every later context block, padded."""
         caches = None if self.fast is None else self.static_layers(
-            list(self.draft.layers), state.prompt.size(1) + state.max_new_tokens + 2 * self.draft.block_size)
+            list(self.draft.layers),
+            width_bucket(state.prompt.size(1)) + state.max_new_tokens + 2 * self.draft.block_size)
         return DFlashCandidates(self.draft, self.step, caches, self.spec.top_k)

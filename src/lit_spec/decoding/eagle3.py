@@ -220,8 +220,9 @@ class Eagle3Decoder(SteppedDraft, TreeDecoder):
         """Eager: a cache that grows as the decode does. Fast: the decoder's static layer."""
         if self.fast is None:
             return GrowingLayer()
+        # the prompt's rows are read at once, padded to a power of two
         return self.static_layers([self.draft.midlayer.self_attn],
-                                  state.prompt.size(1) + state.max_new_tokens + self.draft_rows)[0]
+                                  width_bucket(state.prompt.size(1)) + state.max_new_tokens + self.draft_rows)[0]
 
     def _tree(self, drafter: Eagle3Drafter, state: DecodeState) -> tuple[TreeSpec, torch.Tensor]:
         """The step's tree and its tokens (in the spec's node order), cut to the tokens still to decode."""
