@@ -99,8 +99,8 @@ def test_bench_runs_each_decoder_on_each_chosen_engine(micro_dirs, tmp_path):
 
 def test_bench_engines_auto_is_the_fast_path_where_it_measured_faster():
     """``bench.engines=auto``, the default: on a CPU every decoder on ``frozen`` but multiblock, which measured slower
-    there than on eager, and Hidden Transfer, refused there; on a GPU, where the fast path is not measured yet, eager. A list runs every decoder on each
-    engine. Eager AR, the baseline, always runs."""
+    there than on eager, and Hidden Transfer, refused there; on a GPU, where the fast path is not measured yet,
+    eager. A list runs every decoder on each engine. Eager AR, the baseline, always runs."""
     cfg = compose_config([], config_name="bench")
     assert cfg.bench.engines == "auto"
     specs = {"ar": {}, **chosen_decoders(cfg.decoding)}

@@ -106,8 +106,8 @@ class Replays:
 
 def test_every_decoder_on_graphs_that_reuse_their_output_buffers_is_identical_to_generate(models):
     """engine=graphs on a GPU: the head runs inside the graph (no packed head there), and each replay overwrites the
-    logits and hidden states of the last (the target's, a draft model's, or EAGLE-3's or DFlash's draft step's). Every decoder,
-    drafts and heads included, stays token-identical."""
+    logits and hidden states of the last (the target's, a draft model's, or EAGLE-3's or DFlash's draft step's).
+    Every decoder, drafts and heads included, stays token-identical."""
     model = noisy_copy(models["llama"], 0.0)         # an engine of its own, faked below
     ids, mask = random_prompts(1, [9], seed=4)
     ref = reference_greedy(model, ids, mask, NEW)
@@ -326,8 +326,9 @@ def test_a_model_decoded_on_the_fast_path_is_freed_with_its_last_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "engine", "heads"), [("qwen2", "compiled", "eagle3"), ("mistral", "compiled", "dflash"),
-                                                   ("llama", "graphs", "eagle3"), ("qwen2", "frozen", None)])
+@pytest.mark.parametrize(("arch", "engine", "heads"), [("qwen2", "compiled", "eagle3"),
+                                                   ("mistral", "compiled", "dflash"), ("llama", "graphs", "eagle3"),
+                                                   ("qwen2", "frozen", None)])
 def test_compiled_decoders_are_identical_to_generate(models, arch, engine, heads):
     """Compiled per width (inductor on the CPU; graphs: the same, CUDA graphs aside): AR, a chain, Jacobi and a tree
     drafted by EAGLE-3's or DFlash's draft step (compiled too), against ``generate``; frozen (the weights as

@@ -250,7 +250,8 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
 def compile_seconds(runners: dict) -> dict[str, float]:
     """The seconds each block width took to compile (``"frozen/target/8@768"``, ``"compiled/draft/1@768"``,
     ``"+hidden"`` where the hidden states are read: engine, model, width, cache length; a draft step's
-    ``"frozen/eagle3_chain/root4/top1@768"``: engine, decoder, its label), warm-up included and kept out of every timing."""
+    ``"frozen/eagle3_chain/root4/top1@768"``: engine, decoder, its label), warm-up included and kept out of every
+    timing."""
     seconds = {f"{role}/{q}{'+hidden' if hidden else ''}@{length}": s for role, engine in fast_roles(runners).items()
                for (q, hidden, length), s in engine.compile_seconds.items()}
     for name, runner in runners.items():

@@ -20,7 +20,6 @@ from lit_spec.decoding.base import register
 from lit_spec.decoding.cache import GrowingLayer
 from lit_spec.decoding.draft_heads import _count_draft, load_draft
 from lit_spec.decoding.draft_step import DraftStep, SteppedDraft
-from lit_spec.decoding.fast import width_bucket
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.tree import TreeDecoder
 from lit_spec.errors import ConfigError
@@ -60,7 +59,7 @@ class DFlashCandidates:
         block = torch.full((q,), -1, dtype=torch.long, device=device)
         block[0] = state.pending[0]
         positions = torch.arange(self.length + m, self.length + m + q, device=device)
-        context, width = (width_bucket(m), width_bucket(q)) if self.step.compiled else (m, q)
+        context, width = self.step.width(m), self.step.width(q)
         allowed, keys = None, 0
         if self.static:           # of every key the caches hold: the valid context, and the block's real rows
             keys = self.kv[0].max_cache_len
@@ -72,8 +71,8 @@ class DFlashCandidates:
             features = F.pad(features, (0, 0, 0, context - m))
             context_positions = F.pad(context_positions, (0, context - m))
             block, positions = F.pad(block, (0, width - q), value=-1), F.pad(positions, (0, width - q))
-        top = self.step(f"{context}+{width}/top{self.k}@{keys}", self.kv, features, context_positions, block, positions, allowed,
-                        self.k)
+        top = self.step(f"{context}+{width}/top{self.k}@{keys}", self.kv, features, context_positions, block,
+                        positions, allowed, self.k)
         if context > m:
             for cache in self.kv:
                 cache.crop(m - context)
@@ -100,9 +99,8 @@ class DFlashDecoder(SteppedDraft, TreeDecoder):
         self.record_hidden = self.draft.hidden_states
 
     def new_candidates(self, state: DecodeState) -> DFlashCandidates:
-        """Eager: context caches that grow as the decode does. Fast: the decoder's static layers, one per draft layer,
-        room for the prompt's rows read at once, padded to a power of two, and every later context block, padded."""
-        caches = None if self.fast is None else self.static_layers(
-            list(self.draft.layers),
-            width_bucket(state.prompt.size(1)) + state.max_new_tokens + 2 * self.draft.block_size)
+        """Eager: context caches that grow as the decode does. Fast: the decoder's static layers, one per draft layer
+        (a step's context block padded past its tokens: up to twice the draft's block)."""
+        caches = None if self.fast is None else self.static_layers(list(self.draft.layers), state,
+                                                                   2 * self.draft.block_size)
         return DFlashCandidates(self.draft, self.step, caches, self.spec.top_k)

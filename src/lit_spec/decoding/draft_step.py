@@ -18,6 +18,7 @@ import torch._inductor.config as inductor_config
 
 from lit_spec.decoding import cache as kv
 from lit_spec.decoding.cache import StaticLayer
+from lit_spec.decoding.fast import width_bucket
 from lit_spec.decoding.frozen import CPU_OPTIONS, GPU_OPTIONS
 from lit_spec.errors import ConfigError
 
@@ -55,6 +56,10 @@ class DraftStep:
     def compile_time(self) -> float:
         return sum(self.compile_seconds.values())
 
+    def width(self, q: int) -> int:
+        """The width ``q`` rows run at: compiled, the next power of two (a few shapes, not one per length)."""
+        return width_bucket(q) if self.compiled else q
+
     def __call__(self, label: str, *args):
         module = self._module()
         if not self.compiled:
@@ -87,7 +92,6 @@ class DraftStep:
             raise ConfigError(f"engine=frozen compiled the {self.label} draft's weights into its step, and they have "
                               "changed since: decode a draft that trains with engine=compiled (it reads them live)")
 
-
     def static_layers(self, attentions: list, rows: int) -> list[StaticLayer]:
         """One static layer per draft attention module (``kv_heads``, ``head_dim``), emptied, of at least ``rows``
         positions (grown only when a decode needs more: the length is part of every compiled shape)."""
@@ -112,7 +116,9 @@ class SteppedDraft:
     def draft_steps(self) -> list[DraftStep]:
         return [self.step] if self.fast else []
 
-    def static_layers(self, attentions: list, rows: int) -> list[StaticLayer]:
-        """The step's static layers, of at least ``rows`` positions and the target's cache (which the bench sizes for
-        its longest prompt, so that no draft shape changes mid-run)."""
+    def static_layers(self, attentions: list, state, step_rows: int) -> list[StaticLayer]:
+        """The step's static layers for this decode: the prompt's rows, read at once and padded, every new token's,
+        and the ``step_rows`` a step may add after them; at least the target's cache (which the bench sizes for its
+        longest prompt, so that no draft shape changes mid-run)."""
+        rows = self.step.width(state.prompt.size(1)) + state.max_new_tokens + step_rows
         return self.step.static_layers(attentions, max(rows, self.fast.cache_length))

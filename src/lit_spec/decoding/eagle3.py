@@ -31,7 +31,6 @@ from lit_spec.decoding.base import register
 from lit_spec.decoding.cache import GrowingLayer, StaticLayer
 from lit_spec.decoding.draft_heads import _count_draft, load_draft
 from lit_spec.decoding.draft_step import DraftStep, SteppedDraft
-from lit_spec.decoding.fast import width_bucket
 from lit_spec.decoding.state import DecodeState
 from lit_spec.decoding.tree import TreeDecoder, TreeSpec, verify_tree
 from lit_spec.errors import ConfigError, check_count
@@ -89,7 +88,7 @@ class Eagle3Drafter:
         """``draft_forward`` on this decode's cache, after its ``length + drafted`` rows; its outputs cut to the Q
         rows given."""
         q, cached = tokens.size(0), self.length + self.drafted
-        width = width_bucket(q) if self.step.compiled else q
+        width = self.step.width(q)
         keys = self.kv.max_cache_len if self.static else cached + q
         if cached + width > keys:
             raise RuntimeError(f"eagle3: {cached + width} draft rows in a cache of {keys}")
@@ -220,9 +219,7 @@ class Eagle3Decoder(SteppedDraft, TreeDecoder):
         """Eager: a cache that grows as the decode does. Fast: the decoder's static layer."""
         if self.fast is None:
             return GrowingLayer()
-        # the prompt's rows are read at once, padded to a power of two
-        return self.static_layers([self.draft.midlayer.self_attn],
-                                  width_bucket(state.prompt.size(1)) + state.max_new_tokens + self.draft_rows)[0]
+        return self.static_layers([self.draft.midlayer.self_attn], state, self.draft_rows)[0]
 
     def _tree(self, drafter: Eagle3Drafter, state: DecodeState) -> tuple[TreeSpec, torch.Tensor]:
         """The step's tree and its tokens (in the spec's node order), cut to the tokens still to decode."""
