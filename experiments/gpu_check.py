@@ -56,13 +56,13 @@ def train_line(run: Path) -> str:
 
 
 def bench_line(run: Path) -> str:
-    """Per decoder of the run's bench.json: τ, speedup over our AR, exact match with AR, new tokens generated."""
+    """Per decoder of the run's bench.json: tokens/s, τ, speedup over our AR, exact match with AR, new tokens."""
     results = json.loads((run / "bench.json").read_text())
     parts = [f"{results['device']} {results['dtype']}"]
     for name, m in results["methods"].items():
         tau = f"τ {m['mean_accepted']:.2f} " if m.get("mean_accepted") is not None else ""
         exact = f" exact {m['exact_match']:.2f}" if m.get("exact_match") is not None else ""
-        parts.append(f"{name}: {tau}{m['speedup']:.2f}×{exact} tokens {m['new_tokens']}")
+        parts.append(f"{name}: {m['tokens_per_s']:.1f} tok/s {tau}{m['speedup']:.2f}×{exact} tokens {m['new_tokens']}")
     return " | ".join(parts)
 
 

@@ -278,6 +278,26 @@ def test_frozen_weights_that_change_are_refused_before_a_decode(models):
     assert FastForward.of(model, "compiled").check_frozen_weights() is None    # compiled reads the weights live
 
 
+def test_a_torch_without_per_call_compile_budgets_compiles_under_dynamo_s_limits_raised(monkeypatch):
+    """The GPU image's torch 2.11 has no ``recompile_limit=`` or ``isolate_recompiles=`` on ``torch.compile`` (a
+    TypeError there once): the fast path compiles without them, its budget given to dynamo's process-wide limits."""
+    calls = []
+
+    def compile_2_11(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None,
+                     disable=False):
+        calls.append({"fullgraph": fullgraph, "dynamic": dynamic, "mode": mode})
+        return model
+
+    monkeypatch.setattr(torch, "compile", compile_2_11)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 256)
+    step = lambda x: x     # noqa: E731
+    assert fast.compile_shapes(step, "graphs", 32) is step
+    assert calls == [{"fullgraph": True, "dynamic": False, "mode": "reduce-overhead"}]
+    assert torch._dynamo.config.recompile_limit == 32
+    assert torch._dynamo.config.accumulated_recompile_limit >= 32 * 8
+
+
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
 def test_a_long_prompt_read_padded_fits_the_drafts_static_layers(method):
     """The draft reads a prompt's features at once, padded to a power of two (1100 rows as 2048) on the compiled path

@@ -18,9 +18,8 @@ import torch._inductor.config as inductor_config
 
 from lit_spec.decoding import cache as kv
 from lit_spec.decoding.cache import StaticLayer
-from lit_spec.decoding.fast import width_bucket
+from lit_spec.decoding.fast import compile_shapes, unchanged_weights, width_bucket
 from lit_spec.decoding.frozen import CPU_OPTIONS, GPU_OPTIONS
-from lit_spec.errors import ConfigError
 
 RECOMPILE_LIMIT = 32      # a draft's widths (powers of two) x its step kinds x cache lengths stay under this
 
@@ -48,9 +47,7 @@ class DraftStep:
         self.compile_seconds: dict[str, float] = {}
         self.weights: tuple | None = None     # frozen: the weights' versions compiled in
         self.layers: list[StaticLayer] = []
-        self._run = fn if not self.compiled else torch.compile(
-            fn, dynamic=False, fullgraph=True, mode="reduce-overhead" if kind == "graphs" else None,
-            recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True)
+        self._run = compile_shapes(fn, kind, RECOMPILE_LIMIT) if self.compiled else fn
 
     @property
     def compile_time(self) -> float:
@@ -65,7 +62,7 @@ class DraftStep:
         if not self.compiled:
             return self.fn(module, *args)
         if self.kind == "frozen":
-            self._check_weights(module)
+            self.weights = unchanged_weights(module, self.weights, f"the {self.label} draft's")
         if self.kind == "graphs":
             # each replay a new step, which may overwrite the outputs of earlier ones (no caller keeps one past the
             # next: tests/test_decoding_fast.py)
@@ -83,14 +80,6 @@ class DraftStep:
     def _frozen_options(module) -> dict:
         options = CPU_OPTIONS if next(module.parameters()).is_cpu else GPU_OPTIONS
         return {k: v for k, v in options.items() if not k.startswith("aot_inductor.")}
-
-    def _check_weights(self, module) -> None:
-        version = tuple((p.data_ptr(), p._version) for p in module.parameters())
-        if self.weights is None:
-            self.weights = version
-        elif self.weights != version:
-            raise ConfigError(f"engine=frozen compiled the {self.label} draft's weights into its step, and they have "
-                              "changed since: decode a draft that trains with engine=compiled (it reads them live)")
 
     def static_layers(self, attentions: list, rows: int) -> list[StaticLayer]:
         """One static layer per draft attention module (``kv_heads``, ``head_dim``), emptied, of at least ``rows``

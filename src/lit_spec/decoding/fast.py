@@ -15,6 +15,7 @@ kind. One prompt at a time: the static cache keeps one row (what the bench, the 
 
 from __future__ import annotations
 
+import inspect
 import time
 import weakref
 from contextlib import contextmanager
@@ -56,6 +57,29 @@ AttentionInterface.register(GQA_SDPA, sdpa_gqa)
 def width_bucket(q: int) -> int:
     """The padded width a block of ``q`` tokens runs at: the next power of two."""
     return 1 << (q - 1).bit_length()
+
+
+def unchanged_weights(module: torch.nn.Module, seen: tuple | None, whose: str) -> tuple:
+    """The versions of ``module``'s weights, refused when they differ from ``seen``: engine=frozen compiled them in
+    as constants, and a decode after they changed (an optimizer step) would run the old ones."""
+    version = tuple((p.data_ptr(), p._version) for p in module.parameters())
+    if seen is not None and seen != version:
+        raise ConfigError(f"engine=frozen compiled {whose} weights into its graphs, and they have changed since: "
+                          "decode weights that train with engine=compiled (it reads them live)")
+    return version
+
+
+def compile_shapes(fn, kind: str, limit: int):
+    """``fn`` under ``torch.compile``, one whole graph per input shapes (``graphs``: replayed as CUDA graphs), with a
+    budget of ``limit`` compiles of its own. A torch without per-call budgets (before 2.12; the GPU image's 2.11)
+    raises dynamo's process-wide limits instead: each engine's compiles then count against the one code object."""
+    options = dict(dynamic=False, fullgraph=True, mode="reduce-overhead" if kind == "graphs" else None)
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        return torch.compile(fn, recompile_limit=limit, isolate_recompiles=True, **options)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, limit)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 64 * limit)
+    return torch.compile(fn, **options)
 
 
 class PackedHead:
@@ -180,11 +204,9 @@ class FastForward:
         self.frozen = None if kind != "frozen" else \
             FrozenForwards(CPU_OPTIONS if next(model.parameters()).is_cpu else GPU_OPTIONS)
         if self.compiled and not self.frozen:
-            # every engine compiles the one code object FastForward._forward: isolated, an engine's widths count
-            # against its own limit, not those of the engines (live or dead) compiled before it in the process
-            self._run = torch.compile(self._forward, dynamic=False, fullgraph=True,
-                                      mode="reduce-overhead" if kind == "graphs" else None,
-                                      recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True)
+            # every engine compiles the one code object FastForward._forward: an engine's widths count against its
+            # own budget, not those of the engines (live or dead) compiled before it in the process
+            self._run = compile_shapes(self._forward, kind, RECOMPILE_LIMIT)
 
     @property
     def model(self):
@@ -263,18 +285,9 @@ class FastForward:
         return self.body(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                          output_hidden_states=hidden, **{self.cache_keyword: self.cache})
 
-    def weights_version(self) -> tuple:
-        return tuple((p.data_ptr(), p._version) for p in self.model.parameters())
-
     def check_frozen_weights(self) -> None:
-        """engine=frozen compiled the weights into its graphs: a decode after they changed would run the old ones."""
-        if self.kind != "frozen":
-            return
-        if self.frozen_weights is None:
-            self.frozen_weights = self.weights_version()
-        elif self.frozen_weights != self.weights_version():
-            raise ConfigError("engine=frozen compiled this model's weights into its graphs, and they have changed "
-                              "since: decode a model that trains with engine=compiled (it reads the weights live)")
+        if self.kind == "frozen":
+            self.frozen_weights = unchanged_weights(self.model, self.frozen_weights, "this model's")
 
     @contextmanager
     def attention(self):
