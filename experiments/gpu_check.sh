@@ -15,7 +15,8 @@
 # alone (its timings share the GPU with no other run); the trainings go JOBS at a time (default 4: the tiny models
 # leave a GPU mostly idle). STEPS (default 150) sets the training steps, RUN_TIMEOUT (default 300 s) bounds each run,
 # and every run ends by DEADLINE seconds (default 450) after the start (a run with under 30 s left is listed as
-# skipped), so that the call always returns its summary, printed last.
+# skipped), so that the call always returns its summary, printed last. GROUPS_RUN (default "fast trainings exports
+# more_trainings last", the five above) names the groups a rerun repeats.
 # --rehearse: the same steps on this machine's CPU, JOBS (default 2) at a time (tests/test_gpu_check.py, the slow
 # tier). The file $GPU_CHECK_OVERRIDES, if set, adds overrides to runs: each line a glob on kind/name
 # (train/cllm_zero3, bench/*), then the overrides (the rehearsal's sizes).
@@ -32,6 +33,11 @@ done
 if [[ -n ${GPU_CHECK_OVERRIDES:-} && ! -f $GPU_CHECK_OVERRIDES ]]; then
   echo "GPU_CHECK_OVERRIDES=$GPU_CHECK_OVERRIDES: no such file" >&2; exit 2
 fi
+groups=${GROUPS_RUN:-fast trainings exports more_trainings last}   # a rerun names the groups it repeats
+for group in $groups; do
+  [[ " fast trainings exports more_trainings last " == *" $group "* ]] ||
+    { echo "GROUPS_RUN: no group $group (fast trainings exports more_trainings last)" >&2; exit 2; }
+done
 deadline=$(( SECONDS + ${DEADLINE:-450} ))
 # shellcheck source=experiments/gpu_setup.sh
 source experiments/gpu_setup.sh
@@ -131,13 +137,14 @@ last=(
    decoding=[jacobi,multiblock,lookahead,lookahead_cpu,prompt_lookup,speculative,tree,ouroboros]"
 )
 if ! grep -q 'rc=[1-9]' "$out/summary.txt"; then     # a failed setup fails every run: its lines say why
-  stage 1 "${fast[@]}"
-  stage "$jobs" "${trainings[@]}"
-  stage 1 "${exports[@]}"
-  stage "$jobs" "${more_trainings[@]}"
-  stage 1 "${last[@]}"
+  for group in $groups; do
+    declare -n entries=$group
+    if [[ " fast exports last " == *" $group "* ]]; then stage 1 "${entries[@]}"; else stage "$jobs" "${entries[@]}"; fi
+  done
 fi
 echo "== summary ($out/summary.txt; logs in $out/gpu_check.tgz)"
 cat "$out/summary.txt"
 tar czf "$out/gpu_check.tgz" -C "$out" --exclude=gpu_check.tgz . 2>/dev/null
+# the device tool brings back 8 files of $OUT at most: there, the tarball and the summary alone
+[[ -n ${OUT:-} ]] && find "$out" -type f ! -name gpu_check.tgz ! -name summary.txt -delete
 ! grep -q 'rc=[1-9]\|skipped' "$out/summary.txt"

@@ -11,6 +11,7 @@ import torch
 from conftest import MICRO_RUN, make_config
 
 from lit_spec.callbacks import SpeedupCallback
+from lit_spec.callbacks.decoding_copy import DecodingCopy
 from lit_spec.data.metrics import METRICS, exact_match, gsm8k_answer, token_f1
 from lit_spec.decoding.jacobi import JacobiDecoder
 from lit_spec.drift import answer_nll
@@ -285,3 +286,22 @@ def test_a_bf16_base_beside_fp32_heads_is_measured_under_bf16_mixed(tmp_path):
                     "callbacks.speedup.drift_data=null")
     assert [step for step, _ in callback.history] == [0, 4, 8]
     assert all(m["mean_accepted/medusa"] >= 1.0 for _, m in callback.history)
+
+
+class _Part(L.LightningModule):
+    exported, policy = "model", None
+
+    def __init__(self, width: int = 2):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = torch.nn.Linear(width, width)
+
+
+def test_the_decoding_copy_is_on_the_device_its_module_is_on():
+    """The copy is built on the CPU and filled on the module's device; the callback puts the prompts on the copy's
+    ``device``, which once said cpu beside a module on a GPU (an index_select across devices on the H200). The meta
+    device stands in for the GPU here."""
+    module = _Part().to("meta")
+    clone = DecodingCopy(True).build(module)
+    assert clone.device == module.device == torch.device("meta")
+    assert next(clone.model.parameters()).device == clone.device

@@ -102,7 +102,9 @@ class DecodingCopy:
                 setattr(clone, name, self._weightless(clone, name, part))
         for name, part in copied.items():
             copy_whole(part, getattr(clone, name))
-        return clone.eval()
+        # built on the CPU, its weights filled on the module's device: moved there so that its `device` says so too
+        # (the callback puts the prompts there; on a GPU they stayed on the CPU)
+        return clone.to(module.device).eval()
 
     @staticmethod
     def _weightless(clone: L.LightningModule, name: str, part: torch.nn.Module) -> torch.nn.Module:
