@@ -12,6 +12,7 @@ from omegaconf import open_dict
 
 from lit_spec.config import compose_config
 from lit_spec.benchmark import build_runners, chosen_decoders, engine_plan, run_benchmark
+from lit_spec.measure import describe_device
 from lit_spec.decoding import DecodeStats
 from lit_spec.errors import ConfigError
 from lit_spec.measure import Run, compare, concat_runs
@@ -52,6 +53,7 @@ def test_bench_runs_every_runner_and_writes_its_report(micro_dirs, tmp_path):
     assert on_disk["methods"].keys() == methods.keys()
     table = (tmp_path / "bench.md").read_text()
     assert all(f"| {name} |" in table for name in methods)
+    assert f"device cpu ({describe_device(torch.device('cpu'))})" in table     # a timing names its host and torch
     ar_row = next(line for line in table.splitlines() if line.startswith("| ar |"))
     assert ar_row.split(" | ")[-3] == "1.00×"          # AR's target forward against its own
     limit = results["bandwidth_limit"]
@@ -99,8 +101,9 @@ def test_bench_runs_each_decoder_on_each_chosen_engine(micro_dirs, tmp_path):
 
 def test_bench_engines_auto_is_the_fast_path_where_it_measured_faster():
     """``bench.engines=auto``, the default: on a CPU every decoder on ``frozen`` but multiblock, which measured slower
-    there than on eager, and Hidden Transfer, refused there; on a GPU, where the fast path is not measured yet,
-    eager. A list runs every decoder on each engine. Eager AR, the baseline, always runs."""
+    there than on eager, and Hidden Transfer, refused there; on a GPU AR, prompt lookup and speculative on
+    ``graphs``, measured faster there, and the others, not measured yet, on eager. A list runs every decoder on each
+    engine. Eager AR, the baseline, always runs."""
     cfg = compose_config([], config_name="bench")
     assert cfg.bench.engines == "auto"
     specs = {"ar": {}, **chosen_decoders(cfg.decoding)}
@@ -108,7 +111,9 @@ def test_bench_engines_auto_is_the_fast_path_where_it_measured_faster():
     assert cpu.pop("ar") == ["eager", "frozen"] and cpu.pop("multiblock") == ["eager"]
     assert set(cpu) == {"jacobi", "lookahead", "prompt_lookup", "speculative", "tree", "ouroboros"}
     assert all(engines == ["frozen"] for engines in cpu.values())
-    assert engine_plan("auto", specs, torch.device("cuda")) == {name: ["eager"] for name in specs}
+    gpu = engine_plan("auto", specs, torch.device("cuda"))
+    assert gpu == {"ar": ["eager", "graphs"], "prompt_lookup": ["graphs"], "speculative": ["graphs"]} | {
+        name: ["eager"] for name in ("jacobi", "multiblock", "lookahead", "tree", "ouroboros")}
     given = compose_config(["bench.engines=[static]"], config_name="bench").bench.engines
     assert engine_plan(given, specs, torch.device("cpu")) == {"ar": ["eager", "static"]} | {
         name: ["static"] for name in specs if name != "ar"}

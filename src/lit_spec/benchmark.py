@@ -28,8 +28,8 @@ from lit_spec.decoding.verify import check_sampling
 from lit_spec.drift import HELDOUT, check_drift_data, compare_answers, compare_nll, drift_records
 from lit_spec.errors import ConfigError, check_count
 from lit_spec.io import write_json, write_text
-from lit_spec.measure import (HFPeer, bandwidth_limit, build_decoders, compare, decode_prompts, fast_roles,
-                              forward_ms, mean_context, reserve_fast_caches, vllm_peer_runs, warm_up)
+from lit_spec.measure import (HFPeer, bandwidth_limit, build_decoders, compare, decode_prompts, describe_device,
+                              fast_roles, forward_ms, mean_context, reserve_fast_caches, vllm_peer_runs, warm_up)
 from lit_spec.precision import export_dtype
 from lit_spec.serving.vllm_runner import require_vllm
 from lit_spec.stages import ensure_stages
@@ -117,21 +117,25 @@ def build_runners(cfg: DictConfig, model, draft, tokenizer) -> dict:
 # methods that decoded slower on frozen than on eager on a CPU, so auto leaves them on eager: multiblock, whose blocks
 # of up to 512 tokens cost more compiled (0.92x eager on the tiny target: RESULTS, issue 61, ninth session)
 SLOWER_ON_FROZEN = {"multiblock"}
+# methods measured faster on graphs than on eager on a GPU, so auto runs them there: AR 2.79x, prompt lookup 2.27x,
+# speculative 2.06x on an H200 (the tiny target, fp32: RESULTS, issue 61, eleventh session); the others stay eager
+FASTER_ON_GRAPHS = {"ar", "prompt_lookup", "speculative"}
 
 
 def engine_plan(engines, specs: dict[str, dict], device: torch.device) -> dict[str, list[str]]:
     """Each decoder's engines under ``bench.engines``: every engine of a list, or for ``auto`` the fast path where
-    it measured faster than eager, ``frozen`` on a CPU (RESULTS, issue 61) but for ``not_frozen`` methods, and eager
-    on a GPU, where the fast path is not measured yet. Eager AR, the baseline of every speedup, always runs."""
+    it measured faster than eager: ``frozen`` on a CPU (RESULTS, issue 61) but for ``not_frozen`` methods, ``graphs``
+    on a GPU for ``FASTER_ON_GRAPHS`` alone. Eager AR, the baseline of every speedup, always runs."""
     if engines != "auto":
         plan = {name: list(engines) for name in specs}
-    elif device.type != "cpu":
-        plan = {name: ["eager"] for name in specs}
     else:
-        plan = {name: ["eager"] if not_frozen(params.get("method", name)) else ["frozen"]
-                for name, params in specs.items()}
-        log.info("bench.engines=auto: on frozen %s; on eager %s", [n for n in plan if plan[n] == ["frozen"]],
-                 [n for n in plan if plan[n] == ["eager"]] or "none")
+        if device.type != "cpu":
+            plan = {name: ["graphs"] if params.get("method", name) in FASTER_ON_GRAPHS else ["eager"]
+                    for name, params in specs.items()}
+        else:
+            plan = {name: ["eager"] if not_frozen(params.get("method", name)) else ["frozen"]
+                    for name, params in specs.items()}
+        log.info("bench.engines=auto: %s", {name: engines[0] for name, engines in plan.items()})
     plan["ar"] = list(dict.fromkeys(["eager", *plan["ar"]]))
     return plan
 
@@ -226,7 +230,7 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     for name, m in methods.items():
         m["bandwidth_share"] = m["tokens_per_s"] / limit["tokens_per_s"]
         m["lossless"] = not (cfg.bench.temperature and lossy(runners.get(name)))
-    results = {"model": spec.name_or_path, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
+    results = {"model": spec.name_or_path, "device": str(device), "hardware": describe_device(device), "dtype": str(model.dtype).removeprefix("torch."),
                "num_prompts": len(prompts), "num_prompts_asked": cfg.bench.num_prompts, "max_new_tokens": max_new,
                "temperature": cfg.bench.temperature, "methods": methods, "compile_seconds": compile_seconds(runners),
                "fast_memory": fast_memory(runners), "bandwidth_limit": limit,
@@ -371,7 +375,8 @@ def write_report(results: dict, out_dir: Path) -> None:
         + (f" (bench.num_prompts={asked}: the split has only {results['num_prompts']})"
            if asked != results["num_prompts"] else "")
         + f", max_new_tokens={results['max_new_tokens']}, "
-        f"temperature={results['temperature']}, device {results['device']}, {results['dtype']}, "
+        f"temperature={results['temperature']}, device {results['device']} ({results.get('hardware', '?')}), "
+        f"{results['dtype']}, "
         f"model `{results['model']}`\n\n"
         + _limit_line(results) + _memory_line(results) + _width_line(results) + markdown_table(results)
         + ("\nsampled AR answers: " if results["temperature"] else "\ngreedy answers: ")

@@ -213,6 +213,18 @@ def read_bandwidth(device: torch.device, nbytes: int = 1 << 29, repeats: int = 5
     return nbytes / best
 
 
+def describe_device(device: torch.device) -> str:
+    """The hardware and torch a timing was taken on, as a report names it: the GPU's name, or the CPU's model and
+    torch's threads."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
+        name += f", {torch.get_num_threads()} threads"
+    return f"{name}, torch {torch.__version__}"
+
+
 def bytes_per_token(model, context: float) -> float:
     """What a one-token forward reads at ``context`` cached positions: every weight once (a tied LM head once; an
     untied input embedding not at all, since one row of it is read) and the keys and values of every layer."""
