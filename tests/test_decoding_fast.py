@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import draft_step_on
-from random_models import ARCHS, assert_same_cache, noisy_copy, random_model, random_prompts, reference_greedy
+from random_models import (ARCHS, assert_same_cache, noisy_copy, random_model, random_prompts, reference_greedy,
+                           tokens_until_eos)
 from test_chimera import chimera, medusa
 from test_dflash import dflash
 from test_eagle3 import eagle3
@@ -124,6 +125,30 @@ def test_every_decoder_on_graphs_that_reuse_their_output_buffers_is_identical_to
         before = replays.count
         assert torch.equal(decoder.generate(ids, max_new_tokens=NEW).sequences, ref), name
         assert replays.count > before, name           # its forwards went through the replays
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ar_and_jacobi_decode_a_batch_on_the_fast_path_as_generate_does(models, arch):
+    """Collection decodes batches: AR and Jacobi (blocks aligned, as collection runs them, and not) on the static
+    engine and on the compiled path's padded widths (the compile skipped), left-padded prompts of three lengths, one
+    row ending at EOS early and riding along after, equal ``generate`` row by row, and Jacobi's trajectories equal
+    the eager engine's."""
+    model = noisy_copy(models[arch], 0.0)          # an engine of its own, its compile skipped below
+    ids, mask = random_prompts(3, [5, 9, 7], seed=2)
+    eos = reference_greedy(model, ids, mask, NEW)[1, ids.size(1) + 3].item()     # row 1 ends at its 4th token
+    ref = reference_greedy(model, ids, mask, NEW, eos_token_id=eos)
+    padded = FastForward.of(model, "compiled")
+    padded._run = padded._forward
+    for method, params in (("ar", {}), ("jacobi", {"n_tokens": 5}),
+                           ("jacobi", {"n_tokens": 5, "align_blocks": True, "return_trajectory": True})):
+        eager = generate(model, ids, method, NEW, eos, mask, **params)
+        for engine in ("static", "compiled"):
+            out = generate(model, ids, method, NEW, eos, mask, engine=engine, **params)
+            for r in range(3):
+                assert tokens_until_eos(out.sequences[r], ids.size(1), eos) == \
+                    tokens_until_eos(ref[r], ids.size(1), eos), (method, engine, r)
+            assert out.extras.get("trajectories") == eager.extras.get("trajectories"), (method, engine)
+    assert {key[3] for key in padded.compile_seconds} == {3}      # one batch shape throughout, finished rows too
 
 
 def test_a_draft_model_decodes_on_an_engine_of_its_own(models):
@@ -247,8 +272,8 @@ def test_a_block_past_the_end_of_the_static_cache_grows_it():
 def test_batches_unknown_engines_other_attention_and_short_windows_are_refused_before_work(models):
     model = models["llama"]
     ids, mask = random_prompts(2, [5, 7])
-    with pytest.raises(ConfigError, match="one at a time"):
-        generate(model, ids, "ar", attention_mask=mask, engine="static")
+    with pytest.raises(ConfigError, match="one at a time"):      # a batch: AR and Jacobi only
+        generate(model, ids, "prompt_lookup", attention_mask=mask, engine="static")
     with pytest.raises(ConfigError, match="engine='fast'"):
         generate(model, ids[:1], "ar", engine="fast")
     eager_attention = noisy_copy(model, 0.0)

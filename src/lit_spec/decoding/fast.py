@@ -10,7 +10,9 @@ it compiles without them.
 Compiled blocks are padded to a power-of-two width, so a decoder whose block varies (prompt lookup's drafts, a tree
 that grows) compiles a few widths, not one per length. A pad token sees only itself and is rolled back with the
 rejected tokens. A draft model (``speculative``, ``tree``, ``ouroboros``) runs on an engine of its own, of the same
-kind. One prompt at a time: the static cache keeps one row (what the bench, the callback and the console decode).
+kind. One prompt at a time for every decoder (what the bench, the callback and the console decode); AR and Jacobi
+also decode a batch (what collection decodes), its rows in one static cache of one length, each row's invalid entries
+masked.
 """
 
 from __future__ import annotations
@@ -113,30 +115,32 @@ class PackedHead:
 
 
 class StaticRow:
-    """One sequence on an engine's static cache: ``length`` positions are valid, and ``allowed``, the additive mask row
-    of the cache's positions (0 valid, -inf not), is kept in place. A block's mask is that row per query with the
-    block's own pattern written over its columns; a rollback moves the length, never a tensor. The target's
+    """One sequence, or a batch of them in step, on an engine's static cache: ``length`` positions are filled, and
+    ``allowed``, the additive mask row of each sequence's cache positions (0 valid, -inf not), is kept in place. A
+    block's mask is that row per query with the block's own pattern written over its columns; a rollback moves the
+    length, never a tensor, and a row that kept fewer of a block's entries than another masks the rest. The target's
     ``FastDecodeState`` and a draft model's ``DraftRunner`` each keep one."""
 
-    def __init__(self, engine: "FastForward", positions: int, dtype: torch.dtype, device: torch.device):
-        self.engine, self.cache, self.length = engine, engine.new_cache(positions), 0
+    def __init__(self, engine: "FastForward", positions: int, dtype: torch.dtype, device: torch.device,
+                 batch: int = 1):
+        self.engine, self.cache, self.length = engine, engine.new_cache(positions, batch), 0
         self.min = torch.finfo(dtype).min
-        self.allowed = torch.full((1, engine.cache_length), self.min, dtype=dtype, device=device)
+        self.allowed = torch.full((batch, engine.cache_length), self.min, dtype=dtype, device=device)
 
     def run(self, block, visible, position_ids, hidden: bool, rows: slice, valid=None, eager: bool = False):
-        """Feed ``block`` [1, q] after the valid positions, its tokens seeing the cache and ``visible`` [q, q] of the
-        block; ``valid`` [q] marks the entries that stay visible afterwards (all by default; a prompt's padding not).
-        Compiled blocks run padded to a power-of-two width (a pad token sees only itself and lies past the length);
-        ``eager`` (a prompt) runs as it is."""
+        """Feed ``block`` [B, q] after the filled positions, its tokens seeing the cache and ``visible`` ([q, q], or
+        [B, q, q] per row) of the block; ``valid`` ([q] or [B, q]) marks the entries that stay visible afterwards (all
+        by default; a prompt's padding not). Compiled blocks run padded to a power-of-two width (a pad token sees only
+        itself and lies past the length); ``eager`` (a prompt) runs as it is."""
         q, start = block.size(1), self.length
         width = q if eager or not self.engine.compiled else width_bucket(q)
         if start + width > self.engine.cache_length:
             self._grow(start + width)
-        pattern = torch.eye(width, dtype=torch.bool, device=block.device)
-        pattern[:q, :q] = visible.to(block.device).reshape(q, q)
+        pattern = torch.eye(width, dtype=torch.bool, device=block.device).repeat(block.size(0), 1, 1)
+        pattern[:, :q, :q] = visible.to(block.device).reshape(-1, q, q)
         ids, position_ids = (F.pad(t, (0, width - q), value=0) for t in (block, position_ids))
         mask = self.allowed[:, None, None, :].repeat(1, 1, width, 1)
-        mask[0, 0, :, start: start + width] = torch.where(pattern, 0.0, self.min)
+        mask[:, 0, :, start: start + width] = torch.where(pattern, 0.0, self.min)
         out = self.engine(ids, mask, position_ids, hidden, rows, eager)
         if not eager:
             self.engine.widths.add((width, hidden))
@@ -149,11 +153,11 @@ class StaticRow:
         margin ``FastForward.positions`` leaves): the valid entries are copied over, and the widths compile anew for
         its length (their seconds kept apart as every compile's)."""
         old = self.cache
-        self.engine.reserve(positions)
+        self.engine.reserve(positions, self.allowed.size(0))
         self.cache = self.engine.cache
         kv.copy_prefix(old, self.cache, self.length)
         kv.set_length(self.cache, self.length)
-        allowed = torch.full((1, self.engine.cache_length), self.min, dtype=self.allowed.dtype,
+        allowed = torch.full((self.allowed.size(0), self.engine.cache_length), self.min, dtype=self.allowed.dtype,
                              device=self.allowed.device)
         allowed[:, : self.allowed.size(1)] = self.allowed
         self.allowed = allowed
@@ -162,6 +166,14 @@ class StaticRow:
         self.allowed[:, length: self.length] = self.min
         self.length = length
         kv.set_length(self.cache, length)
+
+    def keep_prefix(self, q: int, kept: list[int]) -> None:
+        """After a block of ``q`` entries, row r keeps its first ``kept[r]``: the length moves past the most any row
+        kept, and each row masks what it kept fewer of."""
+        start = self.length - q
+        for r, k in enumerate(kept):
+            self.allowed[r, start + k: start + max(kept)] = self.min
+        self.set_length(start + max(kept))
 
     def keep_path(self, q: int, keep: list[int]) -> None:
         """After a tree block of ``q`` entries, keep only its offsets ``keep``, moved down after the cached ones."""
@@ -194,8 +206,8 @@ class FastForward:
         self._model, self.kind, self.compiled = weakref.ref(model), kind, kind != "static"
         self.frozen_weights = None      # engine=frozen: the weights' versions its graphs were compiled with
         self.cache: kv.StaticCache | None = None
-        self.cache_length = 0
-        self.compile_seconds: dict[tuple[int, bool, int], float] = {}
+        self.cache_length = self.cache_batch = 0
+        self.compile_seconds: dict[tuple[int, bool, int, int], float] = {}    # (width, hidden, cache length, batch)
         self.widths: set[tuple[int, bool]] = set()     # (block width, hidden states read) of the decode forwards run
         self.head = PackedHead.of(model)
         self.stack = model.get_decoder() if self.head else None      # what runs compiled: the stack, or all of it
@@ -226,12 +238,13 @@ class FastForward:
         forward)."""
         return prompt_length + max_new_tokens + CACHE_STEP
 
-    def reserve(self, length: int) -> None:
-        """A static cache of at least ``length`` positions. A longer one is allocated, and every width compiled anew
-        for its shapes, only when a decode needs more: the bench reserves its longest prompt's before warm-up."""
-        if self.cache_length < length:
-            self.cache_length = -(-length // CACHE_STEP) * CACHE_STEP
-            self.cache = kv.static_cache(self.model, self.cache_length)
+    def reserve(self, length: int, batch: int = 1) -> None:
+        """A static cache of at least ``length`` positions for ``batch`` rows. A longer one (or one of another batch)
+        is allocated, and every width compiled anew for its shapes, only when a decode needs it: the bench reserves
+        its longest prompt's before warm-up."""
+        if self.cache_length < length or self.cache_batch != batch:
+            self.cache_length = max(self.cache_length, -(-length // CACHE_STEP) * CACHE_STEP)
+            self.cache, self.cache_batch = kv.static_cache(self.model, self.cache_length), batch
 
     def memory(self) -> dict[str, int]:
         """The bytes this engine holds beside the model's weights: the static cache's keys and values (allocated at
@@ -243,14 +256,14 @@ class FastForward:
         return {"static_cache": sum(t.numel() * t.element_size() for t in tensors),
                 "packed_head": 0 if packed is None else packed.numel() * packed.element_size()}
 
-    def new_cache(self, length: int) -> kv.StaticCache:
-        """The static cache, emptied, holding at least ``length`` positions."""
-        self.reserve(length)
+    def new_cache(self, length: int, batch: int = 1) -> kv.StaticCache:
+        """The static cache, emptied, holding at least ``length`` positions of ``batch`` rows."""
+        self.reserve(length, batch)
         kv.set_length(self.cache, 0)
         return self.cache
 
     def __call__(self, ids, mask, position_ids, hidden: bool, rows: slice, eager: bool = False):
-        """Run the model on ``ids`` [1, q] against the static cache (inside ``attention()``); ``eager`` for the
+        """Run the model on ``ids`` [B, q] against the static cache (inside ``attention()``); ``eager`` for the
         prefill. The logits of the block's ``rows`` are returned (more where the model's own head runs)."""
         out = self._body(ids, mask, position_ids, hidden, eager)
         if self.head is None:
@@ -260,7 +273,7 @@ class FastForward:
     def _body(self, ids, mask, position_ids, hidden: bool, eager: bool):
         if eager or not self.compiled:
             return self._forward(ids, mask, position_ids, hidden)
-        key = (ids.size(1), hidden, self.cache_length)   # a longer cache recompiles every width
+        key = (ids.size(1), hidden, self.cache_length, ids.size(0))   # a longer cache recompiles every width
         if key in self.compile_seconds:
             return self._compiled(key, ids, mask, position_ids, hidden)
         start = time.perf_counter()

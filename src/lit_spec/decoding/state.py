@@ -204,10 +204,14 @@ class DecodeState:
             return
         idx = torch.tensor(keep, device=self.next_pos.device, dtype=torch.long)
         if keep:
-            kv.select_rows(self.cache, idx)
+            self._keep_rows(idx)
         self.active = [self.active[r] for r in keep]
-        self.past_valid, self.next_pos = self.past_valid[idx], self.next_pos[idx]
-        self.pending = self.pending[idx]
+        self.next_pos, self.pending = self.next_pos[idx], self.pending[idx]
+
+    def _keep_rows(self, idx: torch.Tensor) -> None:
+        """Only the active rows ``idx`` stay in the cache."""
+        kv.select_rows(self.cache, idx)
+        self.past_valid = self.past_valid[idx]
 
     @property
     def finished(self) -> bool:
@@ -224,18 +228,19 @@ class DecodeState:
 
 
 class FastDecodeState(DecodeState):
-    """``DecodeState`` on the fast path (``lit_spec.decoding.fast``), one prompt at a time: the cache is the engine's
-    static one, followed by a ``StaticRow``."""
+    """``DecodeState`` on the fast path (``lit_spec.decoding.fast``): the cache is the engine's static one, followed by
+    a ``StaticRow``. A batch (AR, Jacobi) keeps its shape to the end, every forward over all its rows, so that one
+    compiled width serves the whole decode: a finished row rides along with padding, its outputs unread."""
 
     def __init__(self, engine: FastForward, model, input_ids, attention_mask_2d, max_new_tokens, eos_token_id,
                  record_hidden=False):
         self.engine = engine
         super().__init__(model, input_ids, attention_mask_2d, max_new_tokens, eos_token_id, record_hidden)
-        self.require_single_row("engine=" + engine.kind)
+        self.slots = torch.arange(input_ids.size(0), device=input_ids.device)   # each active row's row in the batch
 
     def _new_cache(self):
         self.row = StaticRow(self.engine, self.engine.positions(self.prompt.size(1), self.max_new_tokens),
-                             next(self.model.parameters()).dtype, self.prompt.device)
+                             next(self.model.parameters()).dtype, self.prompt.device, self.prompt.size(0))
         return self.row.cache
 
     @property
@@ -245,9 +250,10 @@ class FastDecodeState(DecodeState):
     @torch.no_grad()
     def prefill(self) -> torch.Tensor:
         n = self.prompt.size(1)
-        valid = self.prompt_mask[0].bool()
-        # a padding row sees itself, so that no row of the softmax is empty (its output is never read)
-        visible = causal(n, self.prompt.device) & (valid | torch.eye(n, dtype=torch.bool, device=valid.device))
+        valid = self.prompt_mask.bool()
+        # a padding entry sees itself, so that no row of the softmax is empty (its output is never read)
+        visible = causal(n, self.prompt.device) & (valid[:, None, :] | torch.eye(n, dtype=torch.bool,
+                                                                                 device=valid.device))
         with self.stats.timed("forward_time", self.prompt.device):
             out = self.row.run(self.prompt, visible, self.prompt_positions(), bool(self.record_hidden),
                                slice(n - 1, n), valid=valid, eager=True)
@@ -259,19 +265,34 @@ class FastDecodeState(DecodeState):
         q = block.size(1)
         if depth is None:
             depth = torch.arange(q, device=block.device)
+        positions = self.next_pos[:, None] + depth
+        if len(self.slots) < self.prompt.size(0):     # finished rows ride along: padding at position 0
+            block, positions = (t.new_zeros(self.prompt.size(0), q).index_copy_(0, self.slots, t)
+                                for t in (block, positions.expand(len(self.slots), q)))
         with self.stats.timed("forward_time", block.device):
-            out = self.row.run(block, visible, self.next_pos[:, None] + depth, bool(self.record_hidden), slice(0, q))
+            out = self.row.run(block, visible, positions, bool(self.record_hidden), slice(0, q))
         self._record_hidden(out, q)
-        logits = out.logits[:, :q]
+        logits = out.logits[self.slots, :q] if len(self.slots) < self.prompt.size(0) else out.logits[:, :q]
         return logits if logits_at is None else logits[:, logits_at.to(logits.device)]
 
     def forward_next(self) -> torch.Tensor:
         return self.forward(self.pending[:, None], causal(1, self.pending.device))[:, -1]
 
+    def _record_hidden(self, out, q: int) -> None:
+        super()._record_hidden(out, q)
+        if self.hidden is not None and len(self.slots) < self.prompt.size(0):
+            self.hidden = self.hidden[self.slots]
+
     def keep_prefix(self, q: int, kept: list[int]) -> None:
-        self.row.set_length(self.length - q + kept[0])
+        every = [0] * self.prompt.size(0)       # a finished row keeps nothing
+        for slot, k in zip(self.slots.tolist(), kept):
+            every[slot] = k
+        self.row.keep_prefix(q, every)
 
     def keep_path(self, q: int, keep: list[int]) -> None:
         self.row.keep_path(q, keep)
         if self.hidden is not None:
             self.hidden = self.hidden[:, keep]
+
+    def _keep_rows(self, idx: torch.Tensor) -> None:
+        self.slots = self.slots[idx]
