@@ -20,6 +20,7 @@ from lit_spec import stages
 from lit_spec.collection import TrajectoryCollector, reference_trajectories, run_collection
 from lit_spec.config import build, compose_config
 from lit_spec.data.trajectories import read_meta, read_records
+from lit_spec.decoding.fast import StaticRow
 from lit_spec.decoding.guesses import GuessMaker
 from lit_spec.decoding.jacobi import JacobiDecoder
 from lit_spec.errors import ConfigError, DataError, Interrupted
@@ -203,6 +204,20 @@ def test_sigterm_stops_at_a_batch_boundary_and_the_rerun_resumes(baseline, tmp_p
     monkeypatch.setattr(TrajectoryCollector, "predict_step", step)
     run_collection(collect_config(out))
     assert read_records(out, include_dropped=True) == read_records(baseline, include_dropped=True)
+
+
+def test_the_fast_path_collects_the_eager_engine_s_records(baseline, tmp_path, monkeypatch):
+    """``collect.engine=static``: each batch on one static cache (the last, shorter batch of a split on one of its
+    own), rows that end early riding along; the records equal the eager engine's, trajectories and augmented states
+    included."""
+    batches = []
+    run = StaticRow.run
+    monkeypatch.setattr(StaticRow, "run", lambda row, block, *a, **k: batches.append(block.size(0)) or run(row, block,
+                                                                                                          *a, **k))
+    out = tmp_path / "static"
+    run_collection(collect_config(out, "collect.engine=static"))
+    assert read_records(out, include_dropped=True) == read_records(baseline, include_dropped=True)
+    assert set(batches) == {4, 2}        # every forward on the fast path, a batch's rows all in it
 
 
 @pytest.mark.slow

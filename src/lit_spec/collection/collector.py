@@ -1,7 +1,8 @@
 """The collecting LightningModule: one planned batch per ``predict_step``, decoded with the engine's batched Jacobi
 decoder (KV cache, blocks in phase), every block's trajectory kept (CLLM §3.2.1, Algorithm 1), augmented, filtered,
 and written as one atomic part. ``collect.decoder=ar`` keeps the answers only, decoded with the batched AR decoder
-(the target's own greedy answers as training data, the same tokens)."""
+(the target's own greedy answers as training data, the same tokens). ``collect.engine`` names the decoding engine:
+eager, or the fast path's (a static cache for the batch, the forward compiled per width)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from lit_spec.collection.plan import derive_seed
 from lit_spec.data.trajectories import augment_states, write_part
 from lit_spec.decoding.ar import ARDecoder
+from lit_spec.decoding.fast import FastForward
 from lit_spec.decoding.jacobi import JacobiDecoder
 from lit_spec.decoding.state import eos_ids, until_eos
 
@@ -37,9 +39,10 @@ class TrajectoryCollector(L.LightningModule):
 
     def __init__(self, model_spec, tokenizer, out_dir: str, n_tokens: int, max_new_tokens: int, init: str,
                  seed: int, augment: dict, repetition_filter=None, on_done: Callable[[float], None] | None = None,
-                 decoder: str | None = None):
+                 decoder: str | None = None, engine: str | None = None, longest_prompt: int = 0):
         super().__init__()
         self.model_spec, self.tokenizer, self.out_dir, self.decoder = model_spec, tokenizer, out_dir, decoder
+        self.engine, self.longest_prompt = engine or "eager", longest_prompt
         self.n_tokens, self.max_new_tokens, self.init, self.seed = n_tokens, max_new_tokens, init, seed
         self.augment, self.repetition_filter, self.on_done = augment, repetition_filter, on_done
         self.model: torch.nn.Module | None = None
@@ -49,6 +52,9 @@ class TrajectoryCollector(L.LightningModule):
             self.model = self.model_spec.load_model().eval().requires_grad_(False)
 
     def on_predict_start(self) -> None:
+        if self.engine != "eager":     # the static cache sized once for the longest prompt: no width compiles twice
+            FastForward.of(self.model, self.engine).reserve(FastForward.positions(self.longest_prompt,
+                                                                                  self.max_new_tokens))
         self.start = time.perf_counter()
 
     def on_predict_batch_start(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -69,12 +75,13 @@ class TrajectoryCollector(L.LightningModule):
         with ``decoder=ar``)."""
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         if self.decoder == "ar":
-            out = ARDecoder(self.model, pad_token_id=pad).generate(ids, self.max_new_tokens, eos, mask)
+            out = ARDecoder(self.model, pad_token_id=pad, engine=self.engine).generate(ids, self.max_new_tokens, eos,
+                                                                                     mask)
             ends = eos_ids(eos)
             answers = [until_eos(row[ids.size(1):], ends) for row in out.sequences.tolist()]
             return answers, [[] for _ in answers]
         decoder = JacobiDecoder(self.model, self.n_tokens, self.init, seed=seed, return_trajectory=True,
-                                align_blocks=True, pad_token_id=pad)
+                                align_blocks=True, pad_token_id=pad, engine=self.engine)
         trajectories = decoder.generate(ids, self.max_new_tokens, eos, mask).extras["trajectories"]
         return [[t for states in blocks for t in states[-1]] for blocks in trajectories], trajectories
 

@@ -8,11 +8,13 @@ import hashlib
 
 from omegaconf import DictConfig
 
+from lit_spec.decoding.fast import ENGINES as FAST_ENGINES
 from lit_spec.decoding.guesses import INITS
 from lit_spec.errors import ConfigError, check_count
 
 SPLITS = ("train", "validation", "test")
 DECODERS = (None, "jacobi", "ar")        # collect.decoder: null = jacobi (trajectories), ar = answers only
+ENGINES = (None, *FAST_ENGINES, "vllm")  # collect.engine: null = eager; the fast path's; vLLM's (answers only)
 
 
 def check_settings(c: DictConfig) -> None:
@@ -24,8 +26,9 @@ def check_settings(c: DictConfig) -> None:
     if c.get("decoder") not in DECODERS:
         raise ConfigError(f"collect.decoder={c.decoder!r}: choose jacobi (null; Jacobi trajectories) or ar (answers "
                           "only)")
-    if c.get("engine") not in (None, "vllm"):
-        raise ConfigError(f"collect.engine={c.engine!r}: choose null (lit_spec's engine) or vllm")
+    if c.get("engine") not in ENGINES:
+        raise ConfigError(f"collect.engine={c.engine!r}: choose null (lit_spec's eager engine), one of its fast path's "
+                          f"{[e for e in ENGINES if e]} or vllm")
     if c.get("engine") == "vllm" and c.get("decoder") != "ar":
         raise ConfigError("collect.engine=vllm collects answers only (vLLM has no Jacobi decoding): set "
                           "collect.decoder=ar, or collect.engine=null for Jacobi trajectories")

@@ -152,7 +152,7 @@ def _collect(cfg: DictConfig, out: Path) -> Path:
     if todo:
         collector = TrajectoryCollector(model_spec, tokenizer, str(out), c.n_tokens, c.max_new_tokens, c.init,
                                         c.seed, {"copies": c.augment.copies, "prob": float(c.augment.prob)},
-                                        repetition_filter, on_done, c.get("decoder"))
+                                        repetition_filter, on_done, c.get("decoder"), c.get("engine"), longest)
         try:
             trainer.predict(collector, dataloaders=DataLoader(todo, batch_size=None, collate_fn=_as_is),
                             return_predictions=False)
