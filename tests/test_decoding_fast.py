@@ -149,6 +149,7 @@ def test_ar_and_jacobi_decode_a_batch_on_the_fast_path_as_generate_does(models, 
                     tokens_until_eos(ref[r], ids.size(1), eos), (method, engine, r)
             assert out.extras.get("trajectories") == eager.extras.get("trajectories"), (method, engine)
     assert {key[3] for key in padded.compile_seconds} == {3}      # one batch shape throughout, finished rows too
+    assert {key[4] for key in padded.compile_seconds} == {256}    # the filled positions attended, not the cache's
 
 
 def test_a_draft_model_decodes_on_an_engine_of_its_own(models):

@@ -256,9 +256,8 @@ def compile_seconds(runners: dict) -> dict[str, float]:
     ``"+hidden"`` where the hidden states are read: engine, model, width, cache length; a draft step's
     ``"frozen/eagle3_chain/root4/top1@768"``: engine, decoder, its label), warm-up included and kept out of every
     timing."""
-    seconds = {f"{role}/{q}{'+hidden' if hidden else ''}@{length}{f'x{batch}' if batch > 1 else ''}": s
-               for role, engine in fast_roles(runners).items()
-               for (q, hidden, length, batch), s in engine.compile_seconds.items()}
+    seconds = {f"{role}/{q}{'+hidden' if hidden else ''}@{length}": s for role, engine in fast_roles(runners).items()
+               for (q, hidden, length, _, _), s in engine.compile_seconds.items()}     # the bench's batch: one row
     for name, runner in runners.items():
         for step in runner.draft_steps() if getattr(runner, "fast", None) else []:
             seconds |= {f"{step.kind}/{name.split('@')[0]}/{label}": s for label, s in step.compile_seconds.items()}

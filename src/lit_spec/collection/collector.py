@@ -38,7 +38,7 @@ class TrajectoryCollector(L.LightningModule):
     """Decodes one planned batch per ``predict_step`` and writes its part; the target loads in ``configure_model``."""
 
     def __init__(self, model_spec, tokenizer, out_dir: str, n_tokens: int, max_new_tokens: int, init: str,
-                 seed: int, augment: dict, repetition_filter=None, on_done: Callable[[float], None] | None = None,
+                 seed: int, augment: dict, repetition_filter=None, on_done: Callable[[float, float], None] | None = None,
                  decoder: str | None = None, engine: str | None = None, longest_prompt: int = 0):
         super().__init__()
         self.model_spec, self.tokenizer, self.out_dir, self.decoder = model_spec, tokenizer, out_dir, decoder
@@ -64,11 +64,12 @@ class TrajectoryCollector(L.LightningModule):
             raise SIGTERMException()
 
     def on_predict_end(self) -> None:
-        """Once every process's parts are on disk, rank zero gets the decoding time (spawned workers included: the
-        launching process never sees it)."""
+        """Once every process's parts are on disk, rank zero gets the decoding time and the seconds of it spent
+        compiling the fast path's shapes (spawned workers included: the launching process never sees them)."""
         self.trainer.strategy.barrier("collect")
         if self.trainer.is_global_zero and self.on_done is not None:
-            self.on_done(time.perf_counter() - self.start)
+            compiling = FastForward.of(self.model, self.engine).compile_time if self.engine != "eager" else 0.0
+            self.on_done(time.perf_counter() - self.start, compiling)
 
     def decode(self, ids: torch.Tensor, mask: torch.Tensor, seed: int) -> tuple[list[list[int]], list[list]]:
         """Left-padded prompts -> every row's greedy answer (up to EOS) and its blocks' Jacobi trajectories (none

@@ -69,8 +69,10 @@ def collection_config(cfg: DictConfig, model_spec) -> dict:
     return json.loads(json.dumps(config))  # as it reads back from meta.json
 
 
-def finish(out: Path, config: dict, plan: list[dict], todo: list[dict], seconds: float) -> dict:
-    """Check every planned part, count, and mark the directory complete; ``seconds``: this run's decoding time."""
+def finish(out: Path, config: dict, plan: list[dict], todo: list[dict], seconds: float,
+           compiling: float = 0.0) -> dict:
+    """Check every planned part, count, and mark the directory complete; ``seconds``: this run's decoding time,
+    ``compiling`` of it the fast path's compiles (``collect.engine``)."""
     done = {split: done_batches(out, split) for split in {p["split"] for p in plan}}
     missing = [f"{p['split']}-{p['batch']}" for p in plan if p["batch"] not in done[p["split"]]]
     if missing:
@@ -88,6 +90,7 @@ def finish(out: Path, config: dict, plan: list[dict], todo: list[dict], seconds:
     stats = count(records) | {
         "splits": {s: count([r for r in records if r["split"] == s]) for s in config["collect"]["splits"]},
         "batches": len(plan), "batches_this_run": len(todo), "seconds": round(seconds, 3),
+        "compile_seconds": round(compiling, 3),
         "tokens_per_s": round(run_tokens / seconds, 1) if seconds > 0 else None}
     write_meta(out, config, complete=True, stats=stats, parts=part_checksums(out))
     return stats
@@ -186,5 +189,6 @@ def _collect_with_vllm(cfg: DictConfig, out: Path, config: dict, plan: list[dict
 def _log_stats(out: Path, batches: int) -> None:
     stats = read_meta(out)["stats"]
     log.info("collected %d records (%d kept, %d dropped by the repetition filter), %d answer tokens; this run: "
-             "%d batches in %.1f s, %s tok/s", stats["records"], stats["kept"], stats["dropped"],
-             stats["answer_tokens"], batches, stats["seconds"], stats["tokens_per_s"])
+             "%d batches in %.1f s (%.1f s of it compiling), %s tok/s", stats["records"], stats["kept"],
+             stats["dropped"], stats["answer_tokens"], batches, stats["seconds"], stats.get("compile_seconds", 0.0),
+             stats["tokens_per_s"])

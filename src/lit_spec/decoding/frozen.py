@@ -85,12 +85,12 @@ class FrozenForwards:
     def path(self, model, key: tuple) -> Path:
         if self._fingerprint is None:
             self._fingerprint = fingerprint(model, self.options)
-        width, hidden, cache_length, batch = key
-        rows = f"x{batch}" if batch > 1 else ""
+        width, hidden, cache_length, batch, attended = key
+        rows = f"x{batch}a{attended}" if batch > 1 else ""
         return package_dir() / f"{self._fingerprint}-{width}{'h' if hidden else ''}-{cache_length}{rows}.pt2"
 
     def __call__(self, engine, key: tuple, ids, mask, position_ids) -> tuple:
-        """Run ``key``'s package (width, hidden states or not, cache length, batch) on these inputs and ``engine``'s
+        """Run ``key``'s package (width, hidden states or not, cache length, batch, positions attended) on these inputs and ``engine``'s
         static cache: the stack's last hidden states (the model's logits where it runs whole), then the hidden
         states where asked."""
         tensors = kv.static_tensors(engine.cache)
