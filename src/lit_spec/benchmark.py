@@ -230,8 +230,9 @@ def run_benchmark(cfg: DictConfig, out_dir: Path) -> dict:
     for name, m in methods.items():
         m["bandwidth_share"] = m["tokens_per_s"] / limit["tokens_per_s"]
         m["lossless"] = not (cfg.bench.temperature and lossy(runners.get(name)))
-    results = {"model": spec.name_or_path, "device": str(device), "hardware": describe_device(device), "dtype": str(model.dtype).removeprefix("torch."),
-               "num_prompts": len(prompts), "num_prompts_asked": cfg.bench.num_prompts, "max_new_tokens": max_new,
+    results = {"model": spec.name_or_path, "device": str(device), "hardware": describe_device(device),
+               "dtype": str(model.dtype).removeprefix("torch."), "num_prompts": len(prompts),
+               "num_prompts_asked": cfg.bench.num_prompts, "max_new_tokens": max_new,
                "temperature": cfg.bench.temperature, "methods": methods, "compile_seconds": compile_seconds(runners),
                "fast_memory": fast_memory(runners), "bandwidth_limit": limit,
                "forward_ms": {role: forward_ms(engine, round(mean_context(lengths, max_new)))

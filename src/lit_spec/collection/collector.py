@@ -38,8 +38,9 @@ class TrajectoryCollector(L.LightningModule):
     """Decodes one planned batch per ``predict_step`` and writes its part; the target loads in ``configure_model``."""
 
     def __init__(self, model_spec, tokenizer, out_dir: str, n_tokens: int, max_new_tokens: int, init: str,
-                 seed: int, augment: dict, repetition_filter=None, on_done: Callable[[float, float], None] | None = None,
-                 decoder: str | None = None, engine: str | None = None, longest_prompt: int = 0):
+                 seed: int, augment: dict, repetition_filter=None,
+                 on_done: Callable[[float, float], None] | None = None, decoder: str | None = None,
+                 engine: str | None = None, longest_prompt: int = 0):
         super().__init__()
         self.model_spec, self.tokenizer, self.out_dir, self.decoder = model_spec, tokenizer, out_dir, decoder
         self.engine, self.longest_prompt = engine or "eager", longest_prompt

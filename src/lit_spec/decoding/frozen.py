@@ -90,9 +90,9 @@ class FrozenForwards:
         return package_dir() / f"{self._fingerprint}-{width}{'h' if hidden else ''}-{cache_length}{rows}.pt2"
 
     def __call__(self, engine, key: tuple, ids, mask, position_ids) -> tuple:
-        """Run ``key``'s package (width, hidden states or not, cache length, batch, positions attended) on these inputs and ``engine``'s
-        static cache: the stack's last hidden states (the model's logits where it runs whole), then the hidden
-        states where asked."""
+        """Run ``key``'s package (width, hidden states or not, cache length, batch, positions attended) on these
+        inputs and ``engine``'s static cache: the stack's last hidden states (the model's logits where it runs
+        whole), then the hidden states where asked."""
         tensors = kv.static_tensors(engine.cache)
         if key not in self.runners:
             path = self.path(engine.model, key)
