@@ -33,10 +33,10 @@ done
 if [[ -n ${GPU_CHECK_OVERRIDES:-} && ! -f $GPU_CHECK_OVERRIDES ]]; then
   echo "GPU_CHECK_OVERRIDES=$GPU_CHECK_OVERRIDES: no such file" >&2; exit 2
 fi
-groups=${GROUPS_RUN:-fast trainings exports more_trainings last}   # a rerun names the groups it repeats
+all_groups="fast trainings exports more_trainings last"      # the lists below, in their order
+groups=${GROUPS_RUN:-$all_groups}                            # a rerun names the groups it repeats
 for group in $groups; do
-  [[ " fast trainings exports more_trainings last " == *" $group "* ]] ||
-    { echo "GROUPS_RUN: no group $group (fast trainings exports more_trainings last)" >&2; exit 2; }
+  [[ " $all_groups " == *" $group "* ]] || { echo "GROUPS_RUN: no group $group ($all_groups)" >&2; exit 2; }
 done
 deadline=$(( SECONDS + ${DEADLINE:-450} ))
 # shellcheck source=experiments/gpu_setup.sh

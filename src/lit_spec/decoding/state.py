@@ -247,6 +247,11 @@ class FastDecodeState(DecodeState):
     def length(self) -> int:
         return self.row.length
 
+    @property
+    def riding(self) -> bool:
+        """Some of the batch's rows have finished and ride along."""
+        return len(self.slots) < self.prompt.size(0)
+
     @torch.no_grad()
     def prefill(self) -> torch.Tensor:
         n = self.prompt.size(1)
@@ -266,13 +271,13 @@ class FastDecodeState(DecodeState):
         if depth is None:
             depth = torch.arange(q, device=block.device)
         positions = self.next_pos[:, None] + depth
-        if len(self.slots) < self.prompt.size(0):     # finished rows ride along: padding at position 0
+        if self.riding:     # finished rows ride along: padding at position 0
             block, positions = (t.new_zeros(self.prompt.size(0), q).index_copy_(0, self.slots, t)
-                                for t in (block, positions.expand(len(self.slots), q)))
+                                for t in (block, positions))
         with self.stats.timed("forward_time", block.device):
             out = self.row.run(block, visible, positions, bool(self.record_hidden), slice(0, q))
         self._record_hidden(out, q)
-        logits = out.logits[self.slots, :q] if len(self.slots) < self.prompt.size(0) else out.logits[:, :q]
+        logits = out.logits[self.slots, :q] if self.riding else out.logits[:, :q]
         return logits if logits_at is None else logits[:, logits_at.to(logits.device)]
 
     def forward_next(self) -> torch.Tensor:
@@ -280,7 +285,7 @@ class FastDecodeState(DecodeState):
 
     def _record_hidden(self, out, q: int) -> None:
         super()._record_hidden(out, q)
-        if self.hidden is not None and len(self.slots) < self.prompt.size(0):
+        if self.hidden is not None and self.riding:
             self.hidden = self.hidden[self.slots]
 
     def keep_prefix(self, q: int, kept: list[int]) -> None:
