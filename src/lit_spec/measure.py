@@ -9,6 +9,7 @@ all prompts in one call (``vllm_peer_runs``), and joins the comparison as runs.
 
 from __future__ import annotations
 
+import platform
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -219,9 +220,13 @@ def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
-        name += f", {torch.get_num_threads()} threads"
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
+        except OSError:     # not Linux
+            name = platform.processor() or "CPU"
+        threads = torch.get_num_threads()
+        name += f", {threads} thread{'s' if threads > 1 else ''}"
     return f"{name}, torch {torch.__version__}"
 
 
