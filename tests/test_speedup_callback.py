@@ -298,9 +298,9 @@ class _Part(L.LightningModule):
 
 
 def test_the_decoding_copy_is_on_the_device_its_module_is_on():
-    """The copy is built on the CPU and filled on the module's device; the callback puts the prompts on the copy's
-    ``device``, which once said cpu beside a module on a GPU (an index_select across devices on the H200). The meta
-    device stands in for the GPU here."""
+    """The copy is built and filled on the module's device; the callback puts the prompts on the copy's ``device``,
+    which once said cpu beside a module on a GPU (an index_select across devices on the H200). The meta device stands
+    in for the GPU here."""
     module = _Part().to("meta")
     clone = DecodingCopy(True).build(module)
     assert clone.device == module.device == torch.device("meta")

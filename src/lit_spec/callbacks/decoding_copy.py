@@ -92,7 +92,10 @@ class DecodingCopy:
         from its config, adapters included; a trained part by the method's own ``build_trainable``) and filled from
         the gathered weights in their live dtypes (collective); the others shared."""
         copied = self.copied(module)
-        clone = type(module)(**module.hparams)      # as load_from_checkpoint builds it: no trainer, no hooks
+        # as load_from_checkpoint builds it (no trainer, no hooks), moved to the module's device before any part joins
+        # it: its `device`, where the callback puts the prompts, says so (on a GPU it once said cpu), and no part is
+        # moved (moving FSDP2's shared base after it joined gave Medusa's decode DTensors beside plain tensors)
+        clone = type(module)(**module.hparams).to(module.device)
         clone.policy = module.policy
         for name, part in decoded_parts(module).items():
             if name not in copied:
@@ -102,9 +105,7 @@ class DecodingCopy:
                 setattr(clone, name, self._weightless(clone, name, part))
         for name, part in copied.items():
             copy_whole(part, getattr(clone, name))
-        # built on the CPU, its weights filled on the module's device: moved there so that its `device` says so too
-        # (the callback puts the prompts there; on a GPU they stayed on the CPU)
-        return clone.to(module.device).eval()
+        return clone.eval()
 
     @staticmethod
     def _weightless(clone: L.LightningModule, name: str, part: torch.nn.Module) -> torch.nn.Module:
