@@ -183,10 +183,11 @@ class StaticRow:
     def keep_prefix(self, q: int, kept: list[int]) -> None:
         """After a block of ``q`` entries, row r keeps its first ``kept[r]``: the length moves past the most any row
         kept, and each row masks what it kept fewer of."""
-        start = self.length - q
+        start, most = self.length - q, max(kept)
         for r, k in enumerate(kept):
-            self.allowed[r, start + k: start + max(kept)] = self.min
-        self.set_length(start + max(kept))
+            if k < most:      # one row (every single-row decode) masks nothing: no op on its path
+                self.allowed[r, start + k: start + most] = self.min
+        self.set_length(start + most)
 
     def keep_path(self, q: int, keep: list[int]) -> None:
         """After a tree block of ``q`` entries, keep only its offsets ``keep``, moved down after the cached ones."""
