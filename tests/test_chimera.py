@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import built_method, heads_training_step
+from conftest import built_method, draft_step_on, heads_training_step, static_draft_layers
 from random_models import ARCHS, greedy_with_mid_output_eos, random_model, random_prompts, reference_greedy
 
 from lit_spec.decoding import generate
-from lit_spec.decoding.draft_heads import ChimeraCandidates, ChimeraDecoder, MedusaCandidates
+from lit_spec.decoding.draft_heads import ChimeraCandidates, ChimeraDecoder, MedusaCandidates, chimera_forward
 from lit_spec.decoding.state import DecodeState
 from lit_spec.errors import ConfigError
 from lit_spec.export import MARK
@@ -90,19 +90,25 @@ def test_training_heads_never_see_what_decoding_cannot():
         assert not torch.allclose(after[k][0, n], logits[k][0, n])
 
 
-@pytest.mark.parametrize("residual", [True, False])
-def test_decoding_drafts_what_training_predicts(residual):
+@pytest.mark.parametrize(("residual", "engine"), [(True, "eager"), (False, "eager"), (True, "static"),
+                                                  (False, "padded")])
+def test_decoding_drafts_what_training_predicts(residual, engine):
     """The decoder's candidates at every depth are the training-time head logits' top-k on the sequence prompt +
-    the base's next token + the draft's own top-1 guesses (same states, same masks)."""
+    the base's next token + the draft's own top-1 guesses (same states, same masks), on the eager cache and on the
+    fast path's static one (``conftest.draft_step_on``), whose pad rows and drafted n-grams are rolled back."""
     model = random_model("qwen2")
     draft = chimera(model, residual=residual)
     ids, mask = random_prompts(1, [9], seed=6)
     state = DecodeState(model, ids, mask, 10, None, record_hidden=True)
     first = int(state.prefill()[0].argmax())
     state.commit([[first]], advance=[0])
+    kv = None if engine == "eager" else static_draft_layers(draft, [draft.block])[0]
     candidates = ChimeraCandidates(draft, DraftVocab(draft), model.get_input_embeddings(), NGramCache(0),
-                                   ids[0].tolist())
+                                   ids[0].tolist(), draft_step_on(chimera_forward, draft, engine), kv)
     top = candidates(state, draft.num_heads, 5)
+    if engine == "padded":      # the 9 base states and 10 n-gram states ran as 32 rows
+        assert set(candidates.step.compile_seconds) == {f"32/depth4/top5/v{draft.vocab_size}@256"}
+    assert int(candidates.kv.get_seq_length()) == candidates.rows == 2 * ids.size(1) + 1
     # + the last depth's top-1 as well: training computes a head's logits where its label token exists
     sequence = torch.tensor([ids[0].tolist() + [first] + top[:, 0].tolist()])
     logits, _ = _training_logits(draft, model, sequence)

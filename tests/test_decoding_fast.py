@@ -324,19 +324,36 @@ def test_a_torch_without_per_call_compile_budgets_compiles_under_dynamo_s_limits
     assert torch._dynamo.config.accumulated_recompile_limit >= 32 * 8
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "chimera"])
 def test_a_long_prompt_read_padded_fits_the_drafts_static_layers(method):
-    """The draft reads a prompt's features at once, padded to a power of two (1100 rows as 2048) on the compiled path
-    (here its compiling skipped: ``conftest.draft_step_on``): more rows than the target's static cache holds, so the
-    draft's layers are sized for it, and the decode stays identical to ``generate``."""
+    """The draft reads a prompt's features at once, padded to a power of two (1100 rows as 2048; Chimera's two a
+    token, 2201 as 4096) on the compiled path (here its compiling skipped: ``conftest.draft_step_on``): more rows than
+    the target's static cache holds, so the draft's layers are sized for it, and the decode stays identical to
+    ``generate``."""
     model = random_model("llama")
     model.config.max_position_embeddings = 2048
     ids, mask = random_prompts(1, [1100], seed=4)
-    heads = eagle3(model) if method == "eagle3" else dflash(model)
+    heads = {"eagle3": eagle3, "dflash": dflash, "chimera": chimera}[method](model)
     decoder = DECODERS[method](model, heads=heads, tree=[1, 1], engine="static")
     decoder.step = draft_step_on(decoder.draft_forward, decoder.draft, "padded")
     assert torch.equal(decoder.generate(ids, max_new_tokens=6).sequences, reference_greedy(model, ids, mask, 6))
     assert decoder.step.layers[0].max_cache_len > FastForward.of(model, "static").cache_length
+
+
+def test_the_heads_steps_padded_draft_what_they_draft_eagerly(models):
+    """Medusa's and Chimera's draft steps on the compiled path's shapes (compiling skipped): Chimera's rows padded
+    to a power of two, rolled back each step; both draft what the eager engine drafts, step for step."""
+    model = models["qwen2"]
+    ids, mask = random_prompts(1, [9], seed=4)
+    ref = reference_greedy(model, ids, mask, NEW)
+    for method, heads in (("medusa", medusa(model)), ("chimera", chimera(model))):
+        eager = generate(model, ids, method, max_new_tokens=NEW, heads=heads)
+        decoder = DECODERS[method](model, heads=heads, engine="static")
+        decoder.step = draft_step_on(decoder.draft_forward, decoder.draft, "padded")
+        out = decoder.generate(ids, max_new_tokens=NEW)
+        assert torch.equal(out.sequences, ref) and torch.equal(eager.sequences, ref), method
+        assert out.stats.accepted_per_forward == eager.stats.accepted_per_forward, method
+        assert decoder.step.compile_seconds, method          # its calls went through the padded step
 
 
 def test_a_frozen_draft_step_refuses_weights_that_changed(models):

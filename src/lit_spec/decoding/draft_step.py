@@ -105,9 +105,11 @@ class SteppedDraft:
     def draft_steps(self) -> list[DraftStep]:
         return [self.step] if self.fast else []
 
-    def static_layers(self, attentions: list, state, step_rows: int) -> list[StaticLayer]:
-        """The step's static layers for this decode: the prompt's rows, read at once and padded, every new token's,
-        and the ``step_rows`` a step may add after them; at least the target's cache (which the bench sizes for its
-        longest prompt, so that no draft shape changes mid-run)."""
-        rows = self.step.width(state.prompt.size(1)) + state.max_new_tokens + step_rows
-        return self.step.static_layers(attentions, max(rows, self.fast.cache_length))
+    def static_layers(self, attentions: list, state, step_rows: int, rows_per_token: int = 1) -> list[StaticLayer]:
+        """The step's static layers for this decode, ``rows_per_token`` rows a token: the prompt's rows (and the first
+        new token's beside them), read at once and padded, every new token's, and the ``step_rows`` a step may add
+        after them; at least the target's cache's as many (which the bench sizes for its longest prompt, so that no
+        draft shape changes mid-run)."""
+        first = self.step.width(rows_per_token * (state.prompt.size(1) + 1) - 1)
+        rows = first + rows_per_token * state.max_new_tokens + step_rows
+        return self.step.static_layers(attentions, max(rows, rows_per_token * self.fast.cache_length))

@@ -40,6 +40,7 @@ class FullContextBlock(nn.Module):
         if hidden_size % attention_heads:
             raise ConfigError(f"attention_heads={attention_heads} must divide the hidden size {hidden_size}")
         self.heads, self.hidden_size = attention_heads, hidden_size
+        self.kv_heads, self.head_dim = attention_heads, hidden_size // attention_heads    # a static layer's shape
         self.norm_in, self.norm_mid = nn.RMSNorm(hidden_size, eps=eps), nn.RMSNorm(hidden_size, eps=eps)
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
         self.o = nn.Linear(hidden_size, hidden_size, bias=False)
@@ -114,6 +115,11 @@ class ChimeraDraft(DraftHeads):
         return super().config | {"ngram": self.ngram, "residual": self.residual,
                                  "attention_heads": self.attention_heads, "ffn_size": self.ffn_size, "eps": self.eps}
 
+    def encode_ngrams(self, embed: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Eq. 2 of n-grams by token ids ([..., g]; -1: before the first token, a zero embedding) -> [..., d]."""
+        x = embed(ids.clamp(min=0)) * (ids >= 0)[..., None]
+        return self.ngram_encoder(x.flatten(-2))
+
     def head_input(self, llm_state: torch.Tensor, full_state: torch.Tensor) -> torch.Tensor:
         """Eq. 4's input: ``[h_LLM_n ; h_full_{n+1+k}]`` (``h_full`` alone without ``residual``)."""
         return torch.cat([llm_state, full_state], dim=-1) if self.residual else full_state
@@ -156,9 +162,7 @@ class NGramCache:
         self.misses += len(missing)
         computed = torch.empty(0)
         if missing:
-            ids = torch.tensor(missing, device=embed.weight.device)
-            x = embed(ids.clamp(min=0)) * (ids >= 0)[..., None]           # [m, g, d], zeros before the start
-            computed = draft.ngram_encoder(x.flatten(-2))
+            computed = draft.encode_ngrams(embed, torch.tensor(missing, device=embed.weight.device))
         if not self.size:
             return computed
         self.hits += len(ngrams) - len(missing)

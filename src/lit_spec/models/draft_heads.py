@@ -228,11 +228,13 @@ class DraftVocab:
                 cut[id(out)] = (weight, bias) if self.ids is None else (
                     weight[self.ids], None if bias is None else bias[self.ids])
         self.weights = [cut[id(head.projection())] for head in heads.heads]
+        self.shared = len(cut) == 1                  # one projection for every head: one matrix product
+        self.size = heads.vocab_size if self.ids is None else size
 
     def topk(self, features: torch.Tensor, first: int, k: int) -> torch.Tensor:
         """Token ids [H, k] of the top-k of heads ``first``..``first+H-1`` from their features [H, d]."""
         weights = self.weights[first: first + features.size(0)]
-        if all(w is weights[0] for w in weights):
+        if self.shared or len(weights) == 1:
             logits = F.linear(features, *weights[0])
         else:
             logits = torch.stack([F.linear(f, *w) for f, w in zip(features, weights)])
