@@ -389,20 +389,21 @@ def test_a_model_decoded_on_the_fast_path_is_freed_with_its_last_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "engine", "heads"), [("qwen2", "compiled", "eagle3"),
-                                                   ("mistral", "compiled", "dflash"), ("llama", "graphs", "eagle3"),
-                                                   ("qwen2", "frozen", None)])
+@pytest.mark.parametrize(("arch", "engine", "heads"), [("qwen2", "compiled", ("eagle3", "medusa")),
+                                                   ("mistral", "compiled", ("dflash", "chimera")),
+                                                   ("llama", "graphs", ("eagle3",)), ("qwen2", "frozen", ())],
+                         ids=lambda value: ("-".join(value) or "no-heads") if isinstance(value, tuple) else value)
 def test_compiled_decoders_are_identical_to_generate(models, arch, engine, heads):
-    """Compiled per width (inductor on the CPU; graphs: the same, CUDA graphs aside): AR, a chain, Jacobi and a tree
-    drafted by EAGLE-3's or DFlash's draft step (compiled too), against ``generate``; frozen (the weights as
-    constants, every GEMM autotuned: 20-60 s a width) AR, Jacobi, EAGLE-3's chain (its widths return the hidden states
-    too, its draft step frozen too) and speculative decoding (its draft model frozen too). The compile time is counted
+    """Compiled per width (inductor on the CPU; graphs: the same, CUDA graphs aside): AR, a chain, Jacobi and trees
+    drafted by EAGLE-3's, DFlash's, Medusa's or Chimera's draft step (compiled too), against ``generate``; frozen (the
+    weights as constants, every GEMM autotuned: 20-60 s a width) AR, Jacobi, EAGLE-3's chain (its widths return the
+    hidden states too, its draft step frozen too) and speculative decoding (its draft model frozen too). The compile time is counted
     beside the decode, once per new width, the draft's included."""
     model = models[arch] if engine != "frozen" else noisy_copy(models[arch], 0.0)     # frozen: its own engine
     ids, mask = random_prompts(1, [9], seed=4)
     ref = reference_greedy(model, ids, mask, NEW)
     table = decoders(model)
-    for name in FROZEN_DECODERS if engine == "frozen" else ("ar", "speculative", "jacobi", heads):
+    for name in FROZEN_DECODERS if engine == "frozen" else ("ar", "speculative", "jacobi", *heads):
         method, params = table[name]
         first = generate(model, ids, method, max_new_tokens=NEW, engine=engine, **params)
         again = generate(model, ids, method, max_new_tokens=NEW, engine=engine, **params)

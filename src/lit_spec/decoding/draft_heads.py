@@ -47,6 +47,11 @@ def _count_draft(state: DecodeState, start: float, calls: int) -> None:
     state.stats.draft_forwards += calls
 
 
+def drafted_shape(tree: TreeSpec | None, depth: int, k: int) -> tuple[int, int]:
+    """The depth and top-k a heads' step drafts: the whole tree's, or (no tree) what the call asks for."""
+    return (depth, k) if tree is None else (tree.depth, tree.top_k)
+
+
 def medusa_forward(heads: MedusaHeads, vocab: DraftVocab, last: torch.Tensor, depth: int, k: int) -> torch.Tensor:
     """The top-``k`` target ids [depth, k] of heads 0..depth-1 from ``h_LLM_n`` (``last`` [d]), all in one call:
     what ``DraftStep`` compiles on the fast path."""
@@ -70,11 +75,6 @@ class MedusaCandidates:
                         k_all)
         _count_draft(state, start, 1)
         return top[:depth, :k]
-
-
-def drafted_shape(tree: TreeSpec | None, depth: int, k: int) -> tuple[int, int]:
-    """The depth and top-k a heads' step drafts: the whole tree's, or (no tree) what the call asks for."""
-    return (depth, k) if tree is None else (tree.depth, tree.top_k)
 
 
 def chimera_forward(draft: ChimeraDraft, vocab: DraftVocab, embed: torch.nn.Module, kv, rows: torch.Tensor,
