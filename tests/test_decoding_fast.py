@@ -22,6 +22,7 @@ from test_hidden_transfer import transfer
 import lit_spec.decoding.fast as fast
 from lit_spec.decoding import DECODERS, frozen, generate
 from lit_spec.decoding import cache as kv
+from lit_spec.decoding.draft_heads import chimera_forward
 from lit_spec.decoding.draft_step import DraftStep
 from lit_spec.decoding.eagle3 import draft_forward
 from lit_spec.decoding.fast import FastForward, PackedHead, width_bucket
@@ -29,6 +30,7 @@ from lit_spec.decoding.masks import causal
 from lit_spec.decoding.state import FastDecodeState
 from lit_spec.errors import ConfigError
 from lit_spec.measure import forward_ms
+from lit_spec.models.draft_heads import DraftVocab
 
 NEW = 40
 # widths of one token, of many, with hidden states, and a draft model's engine of its own
@@ -354,6 +356,32 @@ def test_the_heads_steps_padded_draft_what_they_draft_eagerly(models):
         assert torch.equal(out.sequences, ref) and torch.equal(eager.sequences, ref), method
         assert out.stats.accepted_per_forward == eager.stats.accepted_per_forward, method
         assert decoder.step.compile_seconds, method          # its calls went through the padded step
+
+
+@pytest.mark.slow
+def test_chimeras_frozen_step_drafts_and_caches_what_its_eager_step_does(models):
+    """Chimera's draft step frozen (a real compile: the heads' weights constants, their GEMMs autotuned) gives the
+    eager step's top-k at every depth and leaves the same keys/values in its static layer; torch 2.13's frozen C++
+    GEMM template read the block's key/value slice of its fused weight from the query rows, so every later step
+    attended to queries."""
+    model = models["qwen2"]
+    draft, d = chimera(model).attach(model), model.config.hidden_size
+    vocab, embed = DraftVocab(draft, None), model.get_input_embeddings()
+    g = torch.Generator().manual_seed(1)
+    rows, query, llm = torch.randn(8, d, generator=g), torch.randn(d, generator=g), torch.randn(d, generator=g)
+    allowed = torch.zeros(2, 16, dtype=torch.bool)
+    allowed[:, :6], allowed[1, 8] = True, True        # two pad rows seen by no query; depth 2 sees depth 1's n-gram
+    drafts = []
+    for engine in ("eager", "frozen"):
+        layer = kv.static_layer(draft.block, 16, rows)
+        with torch.no_grad():
+            top = DraftStep(chimera_forward, draft, engine, "chimera")("8/depth2", vocab, embed, layer, rows, query,
+                                                                       llm, torch.tensor([5, 7]), allowed, 2, 3)
+        drafts.append((top, layer.keys[:, :, :9], layer.values[:, :, :9]))
+    (top, keys, values), (frozen_top, frozen_keys, frozen_values) = drafts
+    assert torch.equal(frozen_top, top)
+    torch.testing.assert_close(frozen_keys, keys)
+    torch.testing.assert_close(frozen_values, values)
 
 
 def test_a_frozen_draft_step_refuses_weights_that_changed(models):
